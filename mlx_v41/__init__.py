@@ -1,0 +1,57 @@
+"""mlx_v41: DeepSeek V4.1 Flash in MLX.
+
+Public API: `load_model(path)` -> Model; `model.make_cache()`; `model(ids, cache=cache)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ConfigError, ModelArgs
+from .safetensors_io import CheckpointError
+
+__version__ = "0.1.0"
+
+
+def _token_map(folder: Path, cfg):
+    from .engram_hash import build_token_map, load_token_map
+    import json
+    import numpy as np
+
+    tokenizer = folder / "tokenizer.json"
+    if tokenizer.is_file():
+        return load_token_map(tokenizer, compressed_vocab_size=cfg.engram_compressed_vocab_size)
+    mapping = folder / "engram_token_map.json"
+    if mapping.is_file():
+        return np.array(json.loads(mapping.read_text()), dtype=np.int32)
+    raise CheckpointError(f"{folder}: the Engram token map needs tokenizer.json (or "
+                          "engram_token_map.json)")
+
+
+def load_model(path, compat_reference_index_k_bug: bool = False):
+    """Load a model folder in the published Hugging Face layout.
+
+    Args:
+        path: folder with config.json, model.safetensors.index.json and the shards.
+        compat_reference_index_k_bug: reproduce the reference's decode-time index-key defect
+            (spec deviations.md D1); only for parity tests against the reference.
+    Returns:
+        The `Model`, weights loaded and evaluated.
+    """
+    from .engram_hash import EngramHasher
+    from .loader import load_weights
+    from .model import Model
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: model folder not found")
+    args = ModelArgs.from_file(folder / "config.json")
+    model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug)
+    load_weights(model, folder)
+    if args.text_config.engram_layer_ids:
+        model.engram_hasher = EngramHasher.from_config(
+            args.text_config, _token_map(folder, args.text_config))
+    return model
+
+
+__all__ = ["load_model", "ModelArgs", "ConfigError", "CheckpointError"]

@@ -1,0 +1,178 @@
+"""CSA2 attention of one layer: low-rank query, FP8 sliding-window KV, and for ratio > 0 the
+global branch (compressor + indexer for Full layers, indexer only for Reindex, the owner's
+selection for Reuse), sparse attention with sinks, inverse RoPE, grouped output (model.md §4–5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import LayerCache
+from .compressor import Compressor
+from .config import TextConfig
+from .indexer import NEG_INF, Indexer, candidate_pool, top_rows, visible_rows
+from .layer_roles import FULL, LayerRole
+from .layers import QuantLinear, RMSNorm
+from .quant import act_fp8_qdq, fp4_e4m3_qdq
+from .rope import RoPE
+
+RUNNING_MAX_FLOOR = -1e30  # finite: a row with no keys yields 0, not NaN
+
+
+@dataclass
+class ForwardContext:
+    """State shared across the layers of one forward call."""
+
+    positions: mx.array                       # [S] absolute positions
+    offset: int
+    caches: list                              # LayerCache per backbone layer
+    compat_index_k_bug: bool = False
+    compat_index_k_source: Optional[int] = None
+    selections: dict = field(default_factory=dict)   # topk owner -> [B, S, k] rows (-1 empty)
+    pool: Optional[mx.array] = None                  # candidate mask [B, S, T]
+    engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
+    forced_selections: Optional[dict] = None         # parity tests: topk owner -> rows
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal `wo_a`: group g maps its heads' outputs through its own packed weight."""
+
+    def __init__(self, groups: int, input_dims: int, output_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((groups, output_dims, input_dims // 4), dtype=mx.uint32)
+        self.scales = mx.zeros((groups, output_dims, input_dims // 32), dtype=mx.uint8)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
+        groups = self.weight.shape[0]
+        ids = mx.broadcast_to(mx.arange(groups), x.shape[:-1])
+        out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales, rhs_indices=ids,
+                            transpose=True, group_size=32, bits=8, mode="mxfp8")
+        return out.squeeze(-2).astype(mx.bfloat16)
+
+
+def sparse_attention(q, keys, valid, sinks, scale):
+    """q [B, S, H, d], keys [B, S, N, d] (K = V), valid [B, S, N] -> [B, S, H, d] bf16."""
+    kf = keys.astype(mx.float32)
+    z = (q.astype(mx.float32) @ kf.swapaxes(-1, -2)) * scale          # [B, S, H, N]
+    z = mx.where(valid[:, :, None, :], z, NEG_INF)
+    top = mx.maximum(mx.max(z, axis=-1, keepdims=True), RUNNING_MAX_FLOOR)
+    p = mx.exp(z - top)
+    denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks[:, None] - top)
+    out = (p.astype(mx.bfloat16).astype(mx.float32) @ kf) / denom
+    return out.astype(mx.bfloat16)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, role: LayerRole):
+        super().__init__()
+        d, h, eps = cfg.head_dim, cfg.num_attention_heads, cfg.rms_norm_eps
+        self.q_a_proj = QuantLinear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.q_b_proj = QuantLinear(cfg.q_lora_rank, h * d)
+        self.kv_proj = QuantLinear(cfg.hidden_size, d)
+        self.kv_norm = RMSNorm(d, eps)
+        self.o_a_proj = GroupedLinear(cfg.o_groups, h * d // cfg.o_groups, cfg.o_lora_rank)
+        self.o_b_proj = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.sinks = mx.zeros((h,), dtype=mx.float32)
+        if role.has_compressor:
+            self.compressor = Compressor(cfg.hidden_size, d, role.ratio, eps)
+        if role.has_indexer:
+            self.indexer = Indexer(cfg.hidden_size, cfg.q_lora_rank, d, cfg.index_n_heads,
+                                   cfg.index_head_dim, role.owns_index_k, eps)
+        if role.ratio > 0:
+            self.rope = RoPE(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+        else:
+            self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.role, self.heads, self.head_dim = role, h, d
+        self.window, self.topk = cfg.sliding_window, cfg.index_topk
+        self.pool_blocks, self.pool_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
+
+    def __call__(self, x: mx.array, ctx: ForwardContext, cache: LayerCache) -> mx.array:
+        batch, length, _ = x.shape
+        pos = ctx.positions
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).reshape(batch, length, self.heads, self.head_dim)
+        q = self.rope(q, pos)
+        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), pos))
+        keys, valid = self._window_keys(kv, cache, ctx.offset)
+        cache.window.write(kv, ctx.offset)
+        if self.role.ratio > 0:
+            rows = self._global_rows(x, qr, ctx, cache)
+            owner = ctx.caches[self.role.kv_owner].compressed
+            keys = mx.concatenate([keys, _gather_rows(owner.keys(), rows)], axis=2)
+            valid = mx.concatenate([valid, rows >= 0], axis=2)
+        out = sparse_attention(q, keys, valid, self.sinks, self.head_dim ** -0.5)
+        out = self.rope(out, pos, inverse=True)
+        groups = self.o_a_proj.weight.shape[0]
+        out = self.o_a_proj(out.reshape(batch, length, groups, -1))
+        return self.o_b_proj(out.reshape(batch, length, -1))
+
+    def _window_keys(self, kv, cache: LayerCache, offset: int):
+        """Window rows of every query: [B, S, W, d] and their validity [B, S, W]."""
+        recent = cache.window.recent(offset)
+        previous = 0 if recent is None else recent.shape[1]
+        rows = kv if recent is None else mx.concatenate([recent, kv], axis=1)
+        length = kv.shape[1]
+        idx = (previous + mx.arange(length))[:, None] - (self.window - 1) + \
+            mx.arange(self.window)[None, :]
+        valid = mx.broadcast_to((idx >= 0)[None], (kv.shape[0],) + idx.shape)
+        return rows[:, mx.maximum(idx, 0)], valid
+
+    def _global_rows(self, x, qr, ctx: ForwardContext, cache: LayerCache) -> mx.array:
+        role = self.role
+        if role.mode == FULL:
+            self._compress(x, ctx, cache)
+        if not role.has_indexer:
+            return ctx.selections[role.topk_owner]
+        owner = ctx.caches[role.kv_owner].compressed
+        total = owner.count
+        if ctx.forced_selections and role.layer in ctx.forced_selections:
+            rows = ctx.forced_selections[role.layer]
+        elif total == 0:
+            rows = mx.zeros((x.shape[0], x.shape[1], 0), dtype=mx.int32)
+        else:
+            keys = self._index_keys(ctx, owner)
+            scores = self.indexer.scores(x, qr, ctx.positions, self.rope, keys)
+            visible = visible_rows(ctx.positions, role.ratio, total)[None]
+            scores = mx.where(visible, scores, NEG_INF)
+            if role.is_candidate_source:
+                ctx.pool = candidate_pool(scores, ctx.positions, role.ratio,
+                                          self.pool_blocks, self.pool_block)
+            elif role.uses_candidates and ctx.pool is not None:
+                scores = mx.where(ctx.pool, scores, NEG_INF)
+            rows = top_rows(scores, self.topk)
+        ctx.selections[role.layer] = rows
+        return rows
+
+    def _index_keys(self, ctx: ForwardContext, owner) -> mx.array:
+        """Own index keys; with the compat switch, the reference's stale handle (D1)."""
+        role = self.role
+        stale = (ctx.compat_index_k_bug and role.owns_index_k and role.ratio > 1
+                 and ctx.compat_index_k_source is not None and ctx.positions.size == 1
+                 and ctx.offset % 2 == 0)
+        if stale:
+            return ctx.caches[ctx.compat_index_k_source].compressed.index_keys(owner.count)
+        return owner.index_keys()
+
+    def _compress(self, x, ctx: ForwardContext, cache: LayerCache) -> None:
+        store = cache.compressed
+        latents, first = self.compressor(x, store, ctx.offset)
+        if latents.shape[1] == 0:
+            return
+        group_pos = (first + mx.arange(latents.shape[1])) * self.role.ratio
+        index_rows = self.indexer.keys(latents, group_pos, self.rope)
+        store.append(fp4_e4m3_qdq(self.rope(latents, group_pos)), index_rows)
+
+
+def _gather_rows(rows: mx.array, ids: mx.array) -> mx.array:
+    """rows [B, T, d], ids [B, S, k] (-1 empty) -> [B, S, k, d]."""
+    batch, total, dim = rows.shape
+    if ids.shape[-1] == 0 or total == 0:
+        return mx.zeros(ids.shape + (dim,), dtype=rows.dtype)
+    flat = mx.maximum(ids, 0) + (mx.arange(batch) * total)[:, None, None]
+    return rows.reshape(batch * total, dim)[flat]

@@ -1,0 +1,97 @@
+"""Sparse indexer: relu-scored top-k selection of compressed rows, and the candidate pool
+(spec model.md §5.5). Scores are computed in bf16 like the reference; ties go to the lower row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import Linear, QuantLinear, RMSNorm
+from .quant import fp4_e8m0_qdq
+from .rope import RoPE
+
+NEG_INF = float("-inf")
+INDEX_BITS = 24  # row index bits in the tie-breaking sort key (16M rows)
+
+
+class Indexer(nn.Module):
+    def __init__(self, hidden, q_lora_rank, head_dim, n_heads, index_dim, owns_keys, eps):
+        super().__init__()
+        self.q_b_proj = QuantLinear(q_lora_rank, n_heads * index_dim)
+        self.weights_proj = Linear(hidden, n_heads)
+        if owns_keys:
+            self.k_proj = Linear(head_dim, index_dim)
+            self.k_norm = RMSNorm(index_dim, eps)
+        self.n_heads, self.index_dim = n_heads, index_dim
+
+    def keys(self, latents: mx.array, positions: mx.array, rope: RoPE) -> mx.array:
+        """Index keys of new pre-RoPE latents [B, G, d] at their group positions."""
+        return fp4_e8m0_qdq(rope(self.k_norm(self.k_proj(latents)), positions))
+
+    def scores(self, x, qr, positions, rope: RoPE, keys: mx.array) -> mx.array:
+        """bf16 scores [B, S, T] of each query row against every key row (no masking)."""
+        batch, length, _ = x.shape
+        q = self.q_b_proj(qr).reshape(batch, length, self.n_heads, self.index_dim)
+        q = fp4_e8m0_qdq(rope(q, positions))
+        scale = (self.index_dim ** -0.5) * (self.n_heads ** -0.5)
+        weights = (self.weights_proj(x) * scale).astype(mx.bfloat16)
+        qk = mx.einsum("bshd,btd->bsht", q, keys).astype(mx.bfloat16)
+        weighted = (mx.maximum(qk, 0) * weights[..., None]).astype(mx.bfloat16)
+        return mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16)
+
+
+def visible_rows(positions: mx.array, ratio: int, total: int) -> mx.array:
+    """[S, T] mask: query at position i sees row t iff t < (i + 1) // ratio."""
+    limit = (positions + 1) // ratio
+    return mx.arange(total)[None, :] < limit[:, None]
+
+
+def _sort_key(scores: mx.array) -> mx.array:
+    """int64 key ordering by score, then by lower row index (the tie rule)."""
+    bits = (scores.astype(mx.float32) + 0.0).view(mx.uint32).astype(mx.int64)
+    ordered = mx.where(bits >= 2 ** 31, 2 ** 32 - 1 - bits, bits + 2 ** 31)
+    rows = mx.arange(scores.shape[-1], dtype=mx.int64)
+    return ordered * (1 << INDEX_BITS) + ((1 << INDEX_BITS) - 1 - rows)
+
+
+def top_rows(scores: mx.array, k: int) -> mx.array:
+    """Indices [..., k] of the k best scores (lower index wins ties); -inf picks become -1."""
+    k = min(k, scores.shape[-1])
+    if k == 0:
+        return mx.zeros(scores.shape[:-1] + (0,), dtype=mx.int32)
+    ids = mx.argpartition(-_sort_key(scores), k - 1, axis=-1)[..., :k].astype(mx.int32)
+    picked = mx.take_along_axis(scores, ids, axis=-1)
+    return mx.where(picked == NEG_INF, -1, ids)
+
+
+def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
+                   block: int) -> mx.array:
+    """Pool mask [B, S, T] from the candidate source's visible scores (model.md §5.5.1)."""
+    batch, length, total = scores.shape
+    blocks = -(-total // block)
+    pad = blocks * block - total
+    padded = mx.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF) if pad \
+        else scores
+    block_max = mx.max(padded.reshape(batch, length, blocks, block), axis=-1)
+    complete = (positions + 1) // ratio
+    newest = mx.where(complete > 0, (complete - 1) // block, -1)        # -1: no block yet
+    pin = mx.arange(blocks)[None, :] == newest[:, None]
+    block_max = mx.where(pin[None], float("inf"), block_max)
+    kept = top_rows(block_max, n_blocks)                                # [B, S, <=n_blocks]
+    # Empty picks (-1) land in a spare column that is dropped.
+    member = mx.zeros((batch, length, blocks + 1), dtype=mx.bool_)
+    slots = mx.where(kept >= 0, kept, blocks)
+    member = mx.put_along_axis(member, slots, mx.array(True), axis=-1)[..., :blocks]
+    return mx.repeat(member, block, axis=-1)[..., :total]
+
+
+def select(scores: mx.array, positions: mx.array, ratio: int, topk: int,
+           pool: Optional[mx.array] = None) -> mx.array:
+    """Mask invisible rows (and rows outside the pool), then take the top-k."""
+    visible = visible_rows(positions, ratio, scores.shape[-1])[None]
+    if pool is not None:
+        visible = visible & pool
+    return top_rows(mx.where(visible, scores, NEG_INF), topk)

@@ -1,0 +1,199 @@
+"""Strict loading of the published checkpoint layout into `Model` (spec checkpoint.md §3–4).
+
+One declarative rename table maps published names to module paths, with the storage kind of
+each tensor; a named drop list gives the reason for every tensor not used. Every published
+tensor is used or dropped, every model parameter is filled, and shapes and dtypes are checked;
+any failure names the tensor. FP8/FP4 weights stay packed (mxfp8 / mxfp4).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
+from .safetensors_io import CheckpointError, SafetensorsFile
+
+# Storage kinds: "plain" (BF16/F32, cast to the parameter dtype), "fp8" (F8_E4M3 weight +
+# F8_E8M0 32x32 block scale), "fp8_grouped" (fp8 split into output groups: wo_a),
+# "fp4_expert" (I8 packed FP4 + per-32 scale, stacked over experts), "fp8_rows" (Engram table).
+L = r"layers\.(\d+)\."
+RENAMES = [
+    (r"embed\.weight", "model.embed_tokens.weight", "plain"),
+    (r"head\.weight", "lm_head.weight", "plain"),
+    (r"norm\.weight", "model.norm.weight", "plain"),
+    (L + r"attn_norm\.weight", r"model.layers.\1.input_layernorm.weight", "plain"),
+    (L + r"ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight", "plain"),
+    (L + r"hc_attn_(fn|base|scale)", r"model.layers.\1.attn_hc.\2", "plain"),
+    (L + r"hc_ffn_(fn|base|scale)", r"model.layers.\1.ffn_hc.\2", "plain"),
+    (L + r"attn\.attn_sink", r"model.layers.\1.self_attn.sinks", "plain"),
+    (L + r"attn\.wq_a", r"model.layers.\1.self_attn.q_a_proj", "fp8"),
+    (L + r"attn\.q_norm\.weight", r"model.layers.\1.self_attn.q_a_norm.weight", "plain"),
+    (L + r"attn\.wq_b", r"model.layers.\1.self_attn.q_b_proj", "fp8"),
+    (L + r"attn\.wkv", r"model.layers.\1.self_attn.kv_proj", "fp8"),
+    (L + r"attn\.kv_norm\.weight", r"model.layers.\1.self_attn.kv_norm.weight", "plain"),
+    (L + r"attn\.wo_a", r"model.layers.\1.self_attn.o_a_proj", "fp8_grouped"),
+    (L + r"attn\.wo_b", r"model.layers.\1.self_attn.o_b_proj", "fp8"),
+    (L + r"attn\.compressor\.wkv\.weight", r"model.layers.\1.self_attn.compressor.kv_proj.weight",
+     "plain"),
+    (L + r"attn\.compressor\.wgate\.weight",
+     r"model.layers.\1.self_attn.compressor.gate_proj.weight", "plain"),
+    (L + r"attn\.compressor\.norm\.weight", r"model.layers.\1.self_attn.compressor.kv_norm.weight",
+     "plain"),
+    (L + r"attn\.indexer\.wq_b", r"model.layers.\1.self_attn.indexer.q_b_proj", "fp8"),
+    (L + r"attn\.indexer\.weights_proj\.weight",
+     r"model.layers.\1.self_attn.indexer.weights_proj.weight", "plain"),
+    (L + r"attn\.indexer\.wk\.weight", r"model.layers.\1.self_attn.indexer.k_proj.weight", "plain"),
+    (L + r"attn\.indexer\.k_norm\.weight", r"model.layers.\1.self_attn.indexer.k_norm.weight",
+     "plain"),
+    (L + r"ffn\.gate\.weight", r"model.layers.\1.mlp.gate.weight", "plain"),
+    (L + r"ffn\.gate\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias", "plain"),
+    (L + r"ffn\.gate\.bias_vl", r"model.layers.\1.mlp.gate.bias_vl", "plain"),
+    (L + r"ffn\.experts\.(\d+)\.w1", r"model.layers.\1.mlp.experts.switch_mlp.gate_proj",
+     "fp4_expert"),
+    (L + r"ffn\.experts\.(\d+)\.w3", r"model.layers.\1.mlp.experts.switch_mlp.up_proj",
+     "fp4_expert"),
+    (L + r"ffn\.experts\.(\d+)\.w2", r"model.layers.\1.mlp.experts.switch_mlp.down_proj",
+     "fp4_expert"),
+    (L + r"ffn\.shared_experts\.w1", r"model.layers.\1.mlp.shared_experts.gate_proj", "fp8"),
+    (L + r"ffn\.shared_experts\.w3", r"model.layers.\1.mlp.shared_experts.up_proj", "fp8"),
+    (L + r"ffn\.shared_experts\.w2", r"model.layers.\1.mlp.shared_experts.down_proj", "fp8"),
+    (L + r"engram\.embed", r"model.layers.\1.engram.embed", "fp8_rows"),
+    (L + r"engram\.wkv", r"model.layers.\1.engram.kv_proj", "fp8"),
+    (L + r"engram\.(q_weight|k_weight)", r"model.layers.\1.engram.\2", "plain"),
+]
+DROPS = [
+    (r"mtp\..*", "DSpark drafter: not part of the text model yet"),
+    (r"(vision|aligner)\..*", "vision tower: not part of the text model yet"),
+    (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet"),
+]
+PAIRED = {"fp8", "fp8_grouped", "fp4_expert", "fp8_rows"}  # stored as .weight + .scale
+EXPECTED_DTYPES = {
+    "plain": {"BF16", "F32"}, "fp8": {"F8_E4M3"}, "fp8_grouped": {"F8_E4M3"},
+    "fp8_rows": {"F8_E4M3"}, "fp4_expert": {"I8", "U8"},
+}
+
+
+def read_index(folder: Path) -> dict:
+    """tensor name -> shard path, from the index json (or a single model.safetensors)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise CheckpointError(f"{index}: not a valid safetensors index") from None
+        return {name: folder / shard for name, shard in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return {name: single for name in SafetensorsFile(single).keys()}
+    raise CheckpointError(f"{folder}: no model.safetensors.index.json or model.safetensors")
+
+
+def _match(name: str):
+    base = name[:-len(".scale")] if name.endswith(".scale") else name
+    base = base[:-len(".weight")] if base.endswith(".weight") and not any(
+        re.fullmatch(p, base) for p, _, _ in RENAMES) else base
+    for pattern, target, kind in RENAMES:
+        m = re.fullmatch(pattern, base)
+        if m and (kind in PAIRED or base == name):
+            return m, target, kind, base
+    return None
+
+
+class _Shards:
+    def __init__(self, index: dict):
+        self.index, self.files = index, {}
+
+    def file(self, name) -> SafetensorsFile:
+        if name not in self.index:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint index")
+        path = self.index[name]
+        if path not in self.files:
+            self.files[path] = SafetensorsFile(path)
+        f = self.files[path]
+        if name not in f.entries:
+            raise CheckpointError(f"{path}: tensor {name} named in the index is absent")
+        return f
+
+    def get(self, name, kind) -> mx.array:
+        f = self.file(name)
+        allowed = EXPECTED_DTYPES[kind] if not name.endswith(".scale") else {"F8_E8M0"}
+        if f.dtype(name) not in allowed:
+            raise CheckpointError(f"{f.path}: tensor {name} has dtype {f.dtype(name)}, "
+                                  f"expected {'/'.join(sorted(allowed))}")
+        return f.get(name)
+
+
+def plan(index: dict) -> tuple[dict, dict]:
+    """Sort every published tensor into (used: target -> [(kind, base, match)], dropped)."""
+    used, dropped = defaultdict(list), {}
+    for name in sorted(index):
+        reason = next((why for p, why in DROPS if re.fullmatch(p, name)), None)
+        if reason:
+            dropped[name] = reason
+            continue
+        hit = _match(name)
+        if hit is None:
+            raise CheckpointError(f"unknown tensor {name} in the checkpoint")
+        m, target, kind, base = hit
+        if name.endswith(".scale") and kind in PAIRED:
+            continue
+        used[m.expand(target)].append((kind, base, m))
+    return used, dropped
+
+
+def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: str) -> dict:
+    """Published tensors of one target -> {parameter name: array}."""
+    if kind == "plain":
+        (_, base, _), = entries
+        return {target: shards.get(base, kind)}
+    if kind == "fp4_expert":
+        entries = sorted(entries, key=lambda e: int(e[2].group(2)))
+        w = mx.stack([shards.get(f"{b}.weight", kind) for _, b, _ in entries])
+        s = mx.stack([shards.get(f"{b}.scale", kind) for _, b, _ in entries])
+        w, s = fp4_to_mxfp4(w.view(mx.uint8), s)
+        return {f"{target}.weight": w, f"{target}.scales": s}
+    (_, base, _), = entries
+    w, s = shards.get(f"{base}.weight", kind), shards.get(f"{base}.scale", kind)
+    if kind == "fp8_rows":
+        return {f"{target}.weight": w, f"{target}.scales": s}
+    w, s = fp8_blocks_to_mxfp8(w, s)
+    if kind == "fp8_grouped":
+        groups = params[f"{target}.weight"].shape[0]
+        w = w.reshape(groups, -1, w.shape[-1])
+        s = s.reshape(groups, -1, s.shape[-1])
+    return {f"{target}.weight": w, f"{target}.scales": s}
+
+
+def load_weights(model, folder) -> dict:
+    """Fill `model` from a published-layout folder; returns {dropped tensor: reason}."""
+    folder = Path(folder)
+    index = read_index(folder)
+    used, dropped = plan(index)
+    params = dict(tree_flatten(model.parameters()))
+    shards = _Shards(index)
+    loaded = {}
+    for target, entries in used.items():
+        kind = entries[0][0]
+        for name, value in _convert(shards, kind, entries, params, target).items():
+            source = entries[0][1]
+            if name not in params:
+                raise CheckpointError(f"tensor {source} maps to {name}, which this config "
+                                      f"does not have")
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"tensor {source} has shape {tuple(value.shape)} after "
+                                      f"conversion, expected {tuple(params[name].shape)} "
+                                      f"for {name}")
+            loaded[name] = value.astype(params[name].dtype) if kind == "plain" else value
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise CheckpointError(f"{folder}: no checkpoint tensor for parameter {missing[0]}"
+                              f" ({len(missing)} missing)")
+    model.update(tree_unflatten(list(loaded.items())))
+    mx.eval(model.parameters())
+    return dropped

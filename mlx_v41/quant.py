@@ -1,0 +1,364 @@
+"""FP8 E4M3 / FP4 E2M1 / E8M0 element formats and the reference's fake-quant functions.
+
+Bit-exact MLX ops for `act_quant` (act_fp8), `fp4_act_quant` (fp4_e8m0, fp4_e4m3), the packed
+cache rows of cache.md §3.1, checkpoint weight dequantisation (numerics.md §3.4) and the
+conversion of checkpoint FP8/FP4 weights to MLX's mxfp8/mxfp4 quantized layout.
+Every function works on any leading shape; groups run along the last axis.
+"""
+
+import mlx.core as mx
+
+FP8_E4M3_MAX = 448.0  # largest finite E4M3FN value (0x7E)
+FP4_E2M1_MAX = 6.0  # largest E2M1 magnitude
+E8M0_BIAS = 127  # E8M0 byte b encodes 2^(b - 127)
+FP8_NAN_CODE = 0x7F  # E4M3FN NaN (S.1111.111); no infinities
+ACT_FP8_BLOCK = 32  # act_fp8 group along the last axis
+FP4_E8M0_BLOCK = 32  # index key/query FP4 group
+FP4_E4M3_BLOCK = 16  # compressed main-KV FP4 group
+WEIGHT_BLOCK = 32  # FP8 weight 32x32 blocks; FP4 expert 1x32 groups
+ACT_FP8_AMAX_FLOOR = 1e-4  # keeps the scale of an all-zero group finite
+FP4_E8M0_AMAX_FLOOR = 6.0 * 2.0**-126  # scale never below 2^-126
+FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # scale never below the smallest E4M3 subnormal
+
+FP4_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 decode by code
+# E2M1 magnitude thresholds of numerics.md §2.3 as (threshold, is the tie rounded up): one
+# code step each; a tie goes to the even code, so it rounds up only when the upper code is even.
+_E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+               (2.5, False), (3.5, True), (5.0, False))
+_F32_MANT_BITS = 23
+
+
+def _bits(x: mx.array) -> mx.array:
+    return mx.view(x.astype(mx.float32), mx.uint32)
+
+
+def _pow2(e: mx.array) -> mx.array:
+    """Exact 2^e for int32 e in [-127, 127], built from the fp32 bit pattern."""
+    biased = (e + 127).astype(mx.uint32)
+    bits = mx.where(biased == 0, mx.array(0x400000, mx.uint32), biased << _F32_MANT_BITS)
+    return mx.view(bits, mx.float32)
+
+
+def _ceil_log2(t: mx.array) -> mx.array:
+    """ceil(log2 t) for normal positive fp32 t, from the exponent and mantissa bits."""
+    bits = _bits(t)
+    exponent = (bits >> _F32_MANT_BITS).astype(mx.int32) - 127
+    return exponent + ((bits & 0x7FFFFF) != 0).astype(mx.int32)
+
+
+def _groups(x: mx.array, size: int) -> mx.array:
+    *lead, k = x.shape
+    if k % size:
+        raise ValueError(f"last dimension {k} is not a multiple of the group size {size}")
+    return x.reshape(*lead, k // size, size)
+
+
+# ---------------------------------------------------------------- element formats
+
+def e4m3_to_float(codes: mx.array) -> mx.array:
+    """Decode E4M3FN bytes.
+
+    Args:
+        codes: uint8 array of any shape.
+    Returns:
+        float32 array; 0x7F / 0xFF decode to NaN.
+    """
+    c = codes.astype(mx.int32)
+    exponent = (c >> 3) & 0xF
+    mantissa = c & 0x7
+    # Subnormals (E = 0) share the exponent of E = 1 without the implicit leading one.
+    significand = mx.where(exponent == 0, mantissa, mantissa + 8).astype(mx.float32)
+    value = significand * _pow2(mx.maximum(exponent, 1) - 10)
+    value = mx.where((c & 0x7F) == FP8_NAN_CODE, mx.array(float("nan")), value)
+    return mx.where(c >= 0x80, -value, value)
+
+
+def float_to_e4m3(x: mx.array) -> mx.array:
+    """Encode to E4M3FN: clamp to +-448, then round to nearest, ties to even (saturating).
+
+    Args:
+        x: float array of any shape (computed in fp32).
+    Returns:
+        uint8 codes; -0 and negatives that round to zero keep the sign bit; NaN -> 0x7F.
+    """
+    x = x.astype(mx.float32)
+    sign = ((_bits(x) >> 31) << 7).astype(mx.uint8)
+    a = mx.minimum(mx.abs(x), FP8_E4M3_MAX)
+    abits = _bits(a)
+    # Normal range: RNE of the fp32 mantissa to 3 bits; a carry rolls into the exponent.
+    rounded = (abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20
+    normal = rounded.astype(mx.int32) - ((127 - 7) << 3)
+    # Below 2^-6 the grid is uniform with step 2^-9; code = multiple of the step (8 -> 2^-6).
+    subnormal = mx.round(a * 2.0**9).astype(mx.int32)
+    code = mx.where(a < 2.0**-6, subnormal, normal)
+    code = mx.where(mx.isnan(x), FP8_NAN_CODE, code).astype(mx.uint8)
+    return code | sign
+
+
+def _round_e4m3(x: mx.array) -> mx.array:
+    """fp32 values rounded onto the E4M3 grid (saturating RNE), without forming codes.
+
+    Same result as e4m3_to_float(float_to_e4m3(x)) for non-NaN x, in fewer ops (the QDQ path).
+    """
+    x = x.astype(mx.float32)
+    a = mx.minimum(mx.abs(x), FP8_E4M3_MAX)
+    abits = _bits(a)
+    normal = mx.view((abits + 0x7FFFF + ((abits >> 20) & 1)) & 0xFFF00000, mx.float32)
+    subnormal = mx.round(a * 2.0**9) * 2.0**-9
+    magnitude = mx.where(a < 2.0**-6, subnormal, normal)
+    return mx.where((_bits(x) >> 31) != 0, -magnitude, magnitude)
+
+
+def e2m1_to_float(codes: mx.array) -> mx.array:
+    """Decode E2M1 codes 0..15 (bit 3 = sign) to float32, the values of FP4_TABLE."""
+    c = codes.astype(mx.int32)
+    exponent = (c >> 1) & 0x3
+    mantissa = c & 0x1
+    # Arithmetic rather than a table gather, so the decode fuses under mx.compile.
+    significand = mx.where(exponent == 0, mantissa, mantissa + 2).astype(mx.float32)
+    value = significand * _pow2(mx.maximum(exponent, 1) - 2)
+    return mx.where((c & 0x8) != 0, -value, value)
+
+
+def float_to_e2m1(v: mx.array) -> mx.array:
+    """Encode fp32 values already clamped to [-6, 6] to E2M1 codes 0..15.
+
+    Nearest grid value, ties to the even code (numerics.md §2.3); the sign bit is kept when
+    the magnitude rounds to zero.
+    """
+    v = v.astype(mx.float32)
+    a = mx.abs(v)
+    magnitude = mx.zeros(v.shape, dtype=mx.uint8)
+    for threshold, is_tie_up in _E2M1_STEPS:
+        above = (a >= threshold) if is_tie_up else (a > threshold)
+        magnitude = magnitude + above.astype(mx.uint8)
+    sign = ((_bits(v) >> 31) << 3).astype(mx.uint8)
+    return magnitude | sign
+
+
+def e8m0_to_float(b: mx.array) -> mx.array:
+    """Decode E8M0 scale bytes to float32 2^(b - 127) (exact, incl. 2^-127); 255 -> NaN."""
+    b = b.astype(mx.uint32)
+    extra = mx.where((b == 0) | (b == 255), mx.array(0x400000, mx.uint32), mx.array(0, mx.uint32))
+    return mx.view((b << _F32_MANT_BITS) | extra, mx.float32)
+
+
+def pack_nibbles(codes: mx.array) -> mx.array:
+    """Pack 4-bit codes [..., 2n] into bytes [..., n]: element 2i low nibble, 2i+1 high."""
+    pairs = _groups(codes.astype(mx.uint8), 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: mx.array) -> mx.array:
+    """Inverse of pack_nibbles: bytes [..., n] -> codes [..., 2n] uint8."""
+    packed = packed.astype(mx.uint8)
+    pairs = mx.stack([packed & 0xF, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+# ---------------------------------------------------------------- fake-quant functions
+
+def _act_fp8_parts(x: mx.array):
+    """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and the exponent of s."""
+    g = _groups(x, ACT_FP8_BLOCK).astype(mx.float32)
+    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), ACT_FP8_AMAX_FLOOR)
+    # Multiply by the fp32 reciprocal as the reference does (for 1/448 and 1/6 provably the
+    # same ceil as a division, but the reciprocal is the reference's operation).
+    e = _ceil_log2(amax * mx.array(1.0 / FP8_E4M3_MAX, dtype=mx.float32))
+    return g / _pow2(e), e
+
+
+def act_fp8_quantize(x: mx.array):
+    """FP8 activation quantisation, block 32, E8M0 scale (numerics.md §3.1).
+
+    Args:
+        x: [..., K] float, K a multiple of 32.
+    Returns:
+        (codes uint8 [..., K] E4M3FN, scale_bytes uint8 [..., K/32] E8M0).
+    """
+    scaled, e = _act_fp8_parts(x)
+    codes = float_to_e4m3(scaled).reshape(x.shape)
+    return codes, (e[..., 0] + E8M0_BIAS).astype(mx.uint8)
+
+
+def act_fp8_qdq(x: mx.array) -> mx.array:
+    """act_fp8 quantise-dequantise: E4M3(x / s) * s with s a power of two; returns x.dtype."""
+    scaled, e = _act_fp8_parts(x)
+    return (_round_e4m3(scaled) * _pow2(e)).reshape(x.shape).astype(x.dtype)
+
+
+def _fp4_e8m0_parts(x: mx.array):
+    g = _groups(x, FP4_E8M0_BLOCK).astype(mx.float32)
+    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), FP4_E8M0_AMAX_FLOOR)
+    e = _ceil_log2(amax * mx.array(1.0 / FP4_E2M1_MAX, dtype=mx.float32))  # as in act_fp8
+    codes = float_to_e2m1(mx.clip(g / _pow2(e), -FP4_E2M1_MAX, FP4_E2M1_MAX))
+    return codes, e
+
+
+def fp4_e8m0_qdq(x: mx.array) -> mx.array:
+    """FP4 E2M1 with power-of-two scale per 32 (numerics.md §3.2, index q/k); returns x.dtype."""
+    codes, e = _fp4_e8m0_parts(x)
+    return (e2m1_to_float(codes) * _pow2(e)).reshape(x.shape).astype(x.dtype)
+
+
+def _fp4_e4m3_parts(x: mx.array):
+    g = _groups(x, FP4_E4M3_BLOCK).astype(mx.float32)
+    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), FP4_E4M3_AMAX_FLOOR)
+    scale_code = float_to_e4m3(amax / FP4_E2M1_MAX)
+    scale = e4m3_to_float(scale_code)
+    # True division: the scale is not a power of two, and it may have rounded below amax / 6.
+    codes = float_to_e2m1(mx.clip(g / scale, -FP4_E2M1_MAX, FP4_E2M1_MAX))
+    return codes, scale_code, scale
+
+
+def fp4_e4m3_qdq(x: mx.array) -> mx.array:
+    """FP4 E2M1 with E4M3 scale per 16 (numerics.md §3.3, main KV); returns x.dtype."""
+    codes, _, scale = _fp4_e4m3_parts(x)
+    return (e2m1_to_float(codes) * scale).reshape(x.shape).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- packed cache rows
+# Row layouts (cache.md §3.1), little-endian bytes, row-contiguous:
+#   fp4_e4m3 (main KV, 512 -> 288 B): K/2 code bytes (element 2b low nibble, 2b+1 high),
+#       then K/16 E4M3FN scale bytes, byte K/2 + g scaling elements 16g .. 16g+15.
+#   fp4_e8m0 (index key, 128 -> 68 B): K/2 code bytes, then K/32 E8M0 bytes (2^(b-127)).
+#   fp8_e8m0 (window ring, 512 -> 528 B): K E4M3FN bytes, then K/32 E8M0 bytes.
+
+def _row_width(nbytes: int, num: int, den: int, name: str) -> int:
+    if (nbytes * den) % num:
+        raise ValueError(f"{name}: a packed row of {nbytes} bytes is not a valid width")
+    return nbytes * den // num
+
+
+def pack_fp4_e4m3(x: mx.array) -> mx.array:
+    """Encode with fp4_e4m3 into packed rows: [..., K] -> uint8 [..., K/2 + K/16]."""
+    codes, scale_code, _ = _fp4_e4m3_parts(x)
+    codes = pack_nibbles(codes.reshape(x.shape))
+    return mx.concatenate([codes, scale_code[..., 0]], axis=-1)
+
+
+def unpack_fp4_e4m3(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
+    """Decode fp4_e4m3 rows: uint8 [..., 9K/16] -> [..., K] in dtype (== fp4_e4m3_qdq)."""
+    k = _row_width(packed.shape[-1], 9, 16, "unpack_fp4_e4m3")
+    codes = unpack_nibbles(packed[..., : k // 2])
+    scale = e4m3_to_float(packed[..., k // 2:])[..., None]
+    values = _groups(e2m1_to_float(codes), FP4_E4M3_BLOCK) * scale
+    return values.reshape(codes.shape).astype(dtype)
+
+
+def pack_fp4_e8m0(x: mx.array) -> mx.array:
+    """Encode with fp4_e8m0 into packed rows: [..., K] -> uint8 [..., K/2 + K/32]."""
+    codes, e = _fp4_e8m0_parts(x)
+    codes = pack_nibbles(codes.reshape(x.shape))
+    return mx.concatenate([codes, (e[..., 0] + E8M0_BIAS).astype(mx.uint8)], axis=-1)
+
+
+def unpack_fp4_e8m0(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
+    """Decode fp4_e8m0 rows: uint8 [..., 17K/32] -> [..., K] in dtype (== fp4_e8m0_qdq)."""
+    k = _row_width(packed.shape[-1], 17, 32, "unpack_fp4_e8m0")
+    codes = unpack_nibbles(packed[..., : k // 2])
+    scale = e8m0_to_float(packed[..., k // 2:])[..., None]
+    values = _groups(e2m1_to_float(codes), FP4_E8M0_BLOCK) * scale
+    return values.reshape(codes.shape).astype(dtype)
+
+
+def pack_fp8_e8m0(x: mx.array) -> mx.array:
+    """Encode with act_fp8 into packed rows: [..., K] -> uint8 [..., K + K/32]."""
+    codes, scale_bytes = act_fp8_quantize(x)
+    return mx.concatenate([codes, scale_bytes], axis=-1)
+
+
+def unpack_fp8_e8m0(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
+    """Decode act_fp8 rows: uint8 [..., 33K/32] -> [..., K] in dtype (== act_fp8_qdq)."""
+    k = _row_width(packed.shape[-1], 33, 32, "unpack_fp8_e8m0")
+    values = _groups(e4m3_to_float(packed[..., :k]), ACT_FP8_BLOCK)
+    values = values * e8m0_to_float(packed[..., k:])[..., None]
+    return values.reshape(*packed.shape[:-1], k).astype(dtype)
+
+
+# ---------------------------------------------------------------- checkpoint weights
+
+def _expand_blocks(scale: mx.array, n: int, k: int) -> mx.array:
+    """[ceil(N/32), ceil(K/32)] block scales -> [N, K] per element."""
+    full = mx.repeat(mx.repeat(scale, WEIGHT_BLOCK, axis=0), WEIGHT_BLOCK, axis=1)
+    return full[:n, :k]
+
+
+def _check_block_scale(weight: mx.array, scale: mx.array) -> None:
+    n, k = weight.shape
+    expected = (-(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"FP8 weight {weight.shape} needs a block scale {expected}, got {scale.shape}")
+
+
+def dequant_fp8_blocks(weight_u8: mx.array, scale_u8: mx.array, dtype=mx.bfloat16) -> mx.array:
+    """Dequantise an FP8 weight with 32x32 E8M0 block scales (numerics.md §3.4).
+
+    Args:
+        weight_u8: [N, K] uint8 E4M3FN bytes.
+        scale_u8: [ceil(N/32), ceil(K/32)] uint8 E8M0 bytes.
+        dtype: output dtype (exact in bf16 for in-range scales).
+    Returns:
+        [N, K] array: E4M3(w[n, k]) * 2^(S[n//32, k//32] - 127).
+    """
+    _check_block_scale(weight_u8, scale_u8)
+    n, k = weight_u8.shape
+    scale = e8m0_to_float(_expand_blocks(scale_u8, n, k))
+    return (e4m3_to_float(weight_u8) * scale).astype(dtype)
+
+
+def dequant_fp4_rows(weight_u8: mx.array, scale_u8: mx.array, dtype=mx.bfloat16) -> mx.array:
+    """Dequantise packed FP4 expert weights with per-row E8M0 scales per 32 along K.
+
+    Args:
+        weight_u8: [..., N, K/2] uint8, element 2i in the low nibble.
+        scale_u8: [..., N, K/32] uint8 E8M0 bytes.
+        dtype: output dtype.
+    Returns:
+        [..., N, K] array: FP4_TABLE[code] * 2^(S[n, k//32] - 127).
+    """
+    codes = unpack_nibbles(weight_u8)
+    values = _groups(e2m1_to_float(codes), WEIGHT_BLOCK) * e8m0_to_float(scale_u8)[..., None]
+    return values.reshape(codes.shape).astype(dtype)
+
+
+def fp8_blocks_to_mxfp8(weight_u8: mx.array, scale_u8: mx.array):
+    """Re-express an FP8 32x32-block weight in MLX's mxfp8 layout (exact, no re-rounding).
+
+    MLX mxfp8 stores E4M3FN bytes in uint32 words, element j in byte j (little-endian), with
+    one E8M0 byte per 32 along K; repeating each block scale for its 32 rows is lossless.
+
+    Args:
+        weight_u8: [N, K] uint8 E4M3FN bytes, K a multiple of 32.
+        scale_u8: [ceil(N/32), K/32] uint8 E8M0 bytes.
+    Returns:
+        (w_u32 [N, K/4] uint32, scales_u8 [N, K/32] uint8) for
+        mx.quantized_matmul(..., mode="mxfp8", group_size=32, bits=8).
+    """
+    _check_block_scale(weight_u8, scale_u8)
+    n, k = weight_u8.shape
+    if k % WEIGHT_BLOCK:
+        raise ValueError(f"mxfp8 needs K a multiple of {WEIGHT_BLOCK}, got {k}")
+    scales = mx.repeat(scale_u8, WEIGHT_BLOCK, axis=0)[:n]
+    return mx.view(weight_u8.astype(mx.uint8), mx.uint32), scales.astype(mx.uint8)
+
+
+def fp4_to_mxfp4(weight_u8: mx.array, scale_u8: mx.array):
+    """Re-express packed FP4 expert weights in MLX's mxfp4 layout (a pure reinterpretation).
+
+    MLX mxfp4 packs element j of a uint32 word in bits 4j..4j+3, which on little-endian bytes
+    is the checkpoint's order (element 2i low nibble of byte i); scales are identical.
+
+    Args:
+        weight_u8: [..., N, K/2] uint8, K a multiple of 32.
+        scale_u8: [..., N, K/32] uint8 E8M0 bytes.
+    Returns:
+        (w_u32 [..., N, K/8] uint32, scales_u8 [..., N, K/32] uint8) for mode="mxfp4".
+    """
+    half_k = weight_u8.shape[-1]
+    expected_scale = (*weight_u8.shape[:-1], 2 * half_k // WEIGHT_BLOCK)
+    if (2 * half_k) % WEIGHT_BLOCK or tuple(scale_u8.shape) != expected_scale:
+        raise ValueError(f"FP4 weight {weight_u8.shape} and scale {scale_u8.shape} do not match")
+    return mx.view(weight_u8.astype(mx.uint8), mx.uint32), scale_u8.astype(mx.uint8)

@@ -36,6 +36,11 @@ class ForwardContext:
     pool: Optional[mx.array] = None                  # candidate mask [B, S, T]
     engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
     forced_selections: Optional[dict] = None         # parity tests: topk owner -> rows
+    capture: Optional[dict] = None                   # debugging: name -> intermediate
+
+    def record(self, name: str, value: mx.array) -> None:
+        if self.capture is not None:
+            self.capture[name] = value
 
 
 class GroupedLinear(nn.Module):
@@ -101,8 +106,7 @@ class Attention(nn.Module):
         kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), pos))
         keys, valid = self._window_keys(kv, cache, ctx.offset)
         cache.window.write(kv, ctx.offset)
-        if self.role.ratio > 0:
-            rows = self._global_rows(x, qr, ctx, cache)
+        if self.role.ratio > 0 and (rows := self._global_rows(x, qr, ctx, cache)).shape[-1]:
             owner = ctx.caches[self.role.kv_owner].compressed
             keys = mx.concatenate([keys, _gather_rows(owner.keys(), rows)], axis=2)
             valid = mx.concatenate([valid, rows >= 0], axis=2)
@@ -145,7 +149,9 @@ class Attention(nn.Module):
                                           self.pool_blocks, self.pool_block)
             elif role.uses_candidates and ctx.pool is not None:
                 scores = mx.where(ctx.pool, scores, NEG_INF)
+            ctx.record(f"layers.{role.layer}.indexer.score", scores)
             rows = top_rows(scores, self.topk)
+        ctx.record(f"layers.{role.layer}.indexer.topk", rows)
         ctx.selections[role.layer] = rows
         return rows
 
@@ -172,7 +178,5 @@ class Attention(nn.Module):
 def _gather_rows(rows: mx.array, ids: mx.array) -> mx.array:
     """rows [B, T, d], ids [B, S, k] (-1 empty) -> [B, S, k, d]."""
     batch, total, dim = rows.shape
-    if ids.shape[-1] == 0 or total == 0:
-        return mx.zeros(ids.shape + (dim,), dtype=rows.dtype)
     flat = mx.maximum(ids, 0) + (mx.arange(batch) * total)[:, None, None]
     return rows.reshape(batch * total, dim)[flat]

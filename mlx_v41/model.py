@@ -50,7 +50,9 @@ class Block(nn.Module):
         streams = expand(u, streams, a_post, a_comb)
         f_pre, f_post, f_comb = self.ffn_hc(streams)
         u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)))
-        return expand(u, streams, f_post, f_comb), f_pre
+        streams = expand(u, streams, f_post, f_comb)
+        ctx.record(f"layers.{self.role.layer}.out", streams)
+        return streams, f_pre
 
 
 class TextModel(nn.Module):
@@ -100,7 +102,7 @@ class Model(nn.Module):
                 for role in self.roles[:cfg.num_hidden_layers]]
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
-                 selections: Optional[dict] = None) -> mx.array:
+                 selections: Optional[dict] = None, capture: Optional[dict] = None) -> mx.array:
         """Logits of `ids` [B, S] continuing `cache`.
 
         Args:
@@ -116,7 +118,8 @@ class Model(nn.Module):
         ctx = ForwardContext(
             positions=mx.arange(offset, offset + ids.shape[1]), offset=offset, caches=cache,
             compat_index_k_bug=self.compat_reference_index_k_bug,
-            compat_index_k_source=self._compat_source, forced_selections=selections)
+            compat_index_k_source=self._compat_source, forced_selections=selections,
+            capture=capture)
         ctx.engram_rows = self._engram_rows(ids, cache)
         hidden = self.model(ids, ctx)
         for c in cache:

@@ -1,0 +1,82 @@
+"""The one way production code builds a Metal kernel: from text shipped in ``mlx_v41.metal``.
+
+The repository's top-level ``metal/`` folder is installed as the package ``mlx_v41.metal``
+(see pyproject). Its ``.metal`` files are kernel *bodies* and its ``.h`` files helpers: the text
+that ``mx.fast.metal_kernel`` wraps in the signature it generates, never standalone Metal files.
+
+``build_kernel`` takes the ``metal_kernel`` factory as an argument, so the same Metal text runs
+on the GPU in production (``mx.fast.metal_kernel``) and in the Linux simulator in tests
+(``tests.metal_sim.metal_kernel``)::
+
+    def build_fp4_pack(metal_kernel=None):
+        k = build_kernel("v41_fp4_pack", ["x"], ["codes", "scales"], "fp4_pack.metal",
+                         header_files=("fp4.h",), factory=metal_kernel)
+        def run(x):
+            ...  # owns grid, threadgroup, template, output shapes and dtypes
+            return k(inputs=[x], template=[("T", x.dtype)], grid=..., threadgroup=...,
+                     output_shapes=..., output_dtypes=...)
+        return run
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+
+METAL_PACKAGE = "mlx_v41.metal"
+
+
+def _metal_files(package: str):
+    try:
+        return resources.files(package)
+    except ModuleNotFoundError:
+        # A source checkout that is not installed: `metal/` sits next to `mlx_v41/`.
+        checkout = Path(__file__).resolve().parents[2] / "metal"
+        if package == METAL_PACKAGE and checkout.is_dir():
+            return checkout
+        raise
+
+
+def metal_text(name: str, package: str = METAL_PACKAGE) -> str:
+    """The text of ``name`` (e.g. ``"fp4.h"``) from the installed Metal package data."""
+    f = _metal_files(package).joinpath(name)
+    if not f.is_file():
+        raise FileNotFoundError(f"no Metal file {name!r} in package {package}")
+    return f.read_text(encoding="utf-8")
+
+
+def build_kernel(
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    body_file: str,
+    header_files: Sequence[str] = (),
+    *,
+    factory: Callable | None = None,
+    package: str = METAL_PACKAGE,
+    ensure_row_contiguous: bool = True,
+    atomic_outputs: bool = False,
+):
+    """Build a kernel from ``body_file`` (+ ``header_files``, concatenated in order) with ``factory``.
+
+    ``factory`` has the signature of ``mx.fast.metal_kernel`` and defaults to it; tests pass the
+    simulator's factory. Returns whatever the factory returns (a callable kernel object).
+    """
+    if factory is None:
+        import mlx.core as mx
+
+        factory = mx.fast.metal_kernel
+    header = ""
+    for h in header_files:
+        text = metal_text(h, package)
+        header += text if text.endswith("\n") else text + "\n"
+    return factory(
+        name=name,
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=metal_text(body_file, package),
+        header=header,
+        ensure_row_contiguous=ensure_row_contiguous,
+        atomic_outputs=atomic_outputs,
+    )

@@ -20,7 +20,12 @@ def _token_map(folder: Path, cfg):
 
     tokenizer = folder / "tokenizer.json"
     if tokenizer.is_file():
-        return load_token_map(tokenizer, compressed_vocab_size=cfg.engram_compressed_vocab_size)
+        try:
+            return load_token_map(tokenizer,
+                                  compressed_vocab_size=cfg.engram_compressed_vocab_size)
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{tokenizer}: {message}") from None
     mapping = folder / "engram_token_map.json"
     if mapping.is_file():
         return np.array(json.loads(mapping.read_text()), dtype=np.int32)

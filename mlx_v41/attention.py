@@ -35,7 +35,6 @@ class ForwardContext:
     selections: dict = field(default_factory=dict)   # topk owner -> [B, S, k] rows (-1 empty)
     pool: Optional[mx.array] = None                  # candidate mask [B, S, T]
     engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
-    forced_selections: Optional[dict] = None         # parity tests: topk owner -> rows
     capture: Optional[dict] = None                   # debugging: name -> intermediate
 
     def record(self, name: str, value: mx.array) -> None:
@@ -135,9 +134,7 @@ class Attention(nn.Module):
             return ctx.selections[role.topk_owner]
         owner = ctx.caches[role.kv_owner].compressed
         total = owner.count
-        if ctx.forced_selections and role.layer in ctx.forced_selections:
-            rows = ctx.forced_selections[role.layer]
-        elif total == 0:
+        if total == 0:
             rows = mx.zeros((x.shape[0], x.shape[1], 0), dtype=mx.int32)
         else:
             keys = self._index_keys(ctx, owner)

@@ -21,8 +21,50 @@ OPTIONAL_TEXT_KEYS = {
 }
 
 
+POSITIVE_TEXT_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+    "q_lora_rank", "o_lora_rank", "o_groups", "moe_intermediate_size", "n_routed_experts",
+    "num_experts_per_tok", "sliding_window", "candidate_topk_blocks", "candidate_block_size",
+    "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+    "max_position_embeddings")
+ROPE_SCALING_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+
+
 class ConfigError(ValueError):
     """A config.json value is missing or inconsistent; the message names the key."""
+
+
+def _check_types(obj, section: str) -> None:
+    """Every field must have the type of its published default (ints for sizes, lists of
+    ints for layer lists), so that a quoted number fails here and not deep in the model."""
+    for f in dataclasses.fields(obj):
+        value, default = getattr(obj, f.name), _default(f)
+        if default is None:
+            continue
+        ok = _same_kind(value, default)
+        if ok and isinstance(default, list) and default and isinstance(default[0], int):
+            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if not ok:
+            raise ConfigError(f"{section}.{f.name}: expected {type(default).__name__}, got "
+                              f"{value!r}")
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _same_kind(value, default) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, type(default))
 
 
 @dataclass
@@ -91,6 +133,13 @@ class TextConfig:
     model_type: str = "deepseek_v41_text"
 
     def __post_init__(self):
+        _check_types(self, "text_config")
+        for key in POSITIVE_TEXT_KEYS:
+            if getattr(self, key) <= 0:
+                self._fail(key, "must be positive")
+        missing = [k for k in ROPE_SCALING_KEYS if k not in self.rope_scaling]
+        if missing:
+            raise ConfigError(f"text_config.rope_scaling: missing key {missing[0]!r}")
         self._check_shapes()
         self._check_schedule()
         self._check_sources()
@@ -157,6 +206,10 @@ class TextConfig:
         c = self.candidate_source_layer_id
         if c >= 0 and (c not in kv or ratios[c] != 1):
             self._fail("candidate_source_layer_id", "must be a ratio-1 kv source or -1")
+        for layer in ix:
+            if 0 <= c < layer < n and max(s for s in kv if s <= layer) != c:
+                self._fail("kv_source_layer_ids", f"layer {layer} uses the candidate pool of "
+                           f"layer {c} but reads another layer's KV (config.md §5.4)")
 
 
 @dataclass
@@ -194,6 +247,7 @@ class ModelArgs:
     vision_config: VisionConfig = field(default_factory=VisionConfig)
 
     def __post_init__(self):
+        _check_types(self, "config")
         if self.model_type != "deepseek_v41":
             raise ConfigError(f"model_type: expected 'deepseek_v41', got {self.model_type!r}")
         if self.quantization_config and self.quantization_config.get(
@@ -233,16 +287,14 @@ def _field_names(cls) -> set:
 
 def _section(cls, data: dict, name: str, source: str, optional: Optional[set]):
     """Build a section dataclass; with `optional` given, every other field is required."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {name} must be an object, got {type(data).__name__}")
     names = _field_names(cls)
     if optional is not None:
         missing = sorted(names - set(data) - optional)
         if missing:
             raise ConfigError(f"{source}: missing key {name}.{missing[0]}")
-    values = {k: v for k, v in data.items() if k in names}
-    try:
-        return cls(**values)
-    except TypeError as e:
-        raise ConfigError(f"{source}: bad {name} ({e})") from None
+    return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def official_config_path() -> Path:

@@ -72,6 +72,7 @@ DROPS = [
     (r"(vision|aligner)\..*", "vision tower: not part of the text model yet"),
     (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet"),
 ]
+E8M0_NAN = 255  # checkpoint.md §4: never valid in a scale
 PAIRED = {"fp8", "fp8_grouped", "fp4_expert", "fp8_rows"}  # stored as .weight + .scale
 EXPECTED_DTYPES = {
     "plain": {"BF16", "F32"}, "fp8": {"F8_E4M3"}, "fp8_grouped": {"F8_E4M3"},
@@ -85,8 +86,11 @@ def read_index(folder: Path) -> dict:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
+        except (json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index}: not a valid safetensors index") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
         return {name: folder / shard for name, shard in weight_map.items()}
     single = folder / "model.safetensors"
     if single.is_file():
@@ -122,11 +126,15 @@ class _Shards:
 
     def get(self, name, kind) -> mx.array:
         f = self.file(name)
-        allowed = EXPECTED_DTYPES[kind] if not name.endswith(".scale") else {"F8_E8M0"}
+        is_scale = name.endswith(".scale")
+        allowed = {"F8_E8M0"} if is_scale else EXPECTED_DTYPES[kind]
         if f.dtype(name) not in allowed:
             raise CheckpointError(f"{f.path}: tensor {name} has dtype {f.dtype(name)}, "
                                   f"expected {'/'.join(sorted(allowed))}")
-        return f.get(name)
+        value = f.get(name)
+        if is_scale and value.size and mx.max(value).item() == E8M0_NAN:
+            raise CheckpointError(f"{f.path}: tensor {name} holds the E8M0 NaN byte 255")
+        return value
 
 
 def plan(index: dict) -> tuple[dict, dict]:
@@ -153,20 +161,49 @@ def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: st
         (_, base, _), = entries
         return {target: shards.get(base, kind)}
     if kind == "fp4_expert":
-        entries = sorted(entries, key=lambda e: int(e[2].group(2)))
-        w = mx.stack([shards.get(f"{b}.weight", kind) for _, b, _ in entries])
-        s = mx.stack([shards.get(f"{b}.scale", kind) for _, b, _ in entries])
-        w, s = fp4_to_mxfp4(w.view(mx.uint8), s)
-        return {f"{target}.weight": w, f"{target}.scales": s}
+        return _stack_experts(shards, entries, params, target)
     (_, base, _), = entries
     w, s = shards.get(f"{base}.weight", kind), shards.get(f"{base}.scale", kind)
     if kind == "fp8_rows":
         return {f"{target}.weight": w, f"{target}.scales": s}
-    w, s = fp8_blocks_to_mxfp8(w, s)
+    try:
+        w, s = fp8_blocks_to_mxfp8(w, s)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {base}: {e}") from None
     if kind == "fp8_grouped":
         groups = params[f"{target}.weight"].shape[0]
         w = w.reshape(groups, -1, w.shape[-1])
         s = s.reshape(groups, -1, s.shape[-1])
+    return {f"{target}.weight": w, f"{target}.scales": s}
+
+
+def _stack_experts(shards: _Shards, entries: list, params: dict, target: str) -> dict:
+    """Stack experts 0..E-1 of one projection into mxfp4 `[E, N, K/8]` + scales."""
+    expected = params[f"{target}.weight"].shape[0]
+    by_id = {int(m.group(2)): base for _, base, m in entries}
+    extra = sorted(set(by_id) - set(range(expected)))
+    if extra:
+        raise CheckpointError(f"tensor {by_id[extra[0]]}: expert id {extra[0]} is outside "
+                              f"0..{expected - 1}")
+    for e in range(expected):
+        if e not in by_id:
+            base = entries[0][1].rsplit(".", 2)[0]
+            raise CheckpointError(f"tensor {base}.{e}.{entries[0][1].rsplit('.', 1)[1]} "
+                                  f"(routed expert {e} of {expected}) is missing")
+    weights, scales = [], []
+    for e in range(expected):
+        w = shards.get(f"{by_id[e]}.weight", "fp4_expert").view(mx.uint8)
+        s = shards.get(f"{by_id[e]}.scale", "fp4_expert")
+        for part, value, first in (("weight", w, weights), ("scale", s, scales)):
+            if first and value.shape != first[0].shape:
+                raise CheckpointError(f"tensor {by_id[e]}.{part} has shape {tuple(value.shape)},"
+                                      f" unlike expert 0's {tuple(first[0].shape)}")
+        weights.append(w)
+        scales.append(s)
+    try:
+        w, s = fp4_to_mxfp4(mx.stack(weights), mx.stack(scales))
+    except ValueError as e:
+        raise CheckpointError(f"tensor {by_id[0]}: {e}") from None
     return {f"{target}.weight": w, f"{target}.scales": s}
 
 

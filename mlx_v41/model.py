@@ -102,13 +102,11 @@ class Model(nn.Module):
                 for role in self.roles[:cfg.num_hidden_layers]]
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
-                 selections: Optional[dict] = None, capture: Optional[dict] = None) -> mx.array:
+                 capture: Optional[dict] = None) -> mx.array:
         """Logits of `ids` [B, S] continuing `cache`.
 
         Args:
             last_only: return only the last position's logits ([B, 1, vocab]).
-            selections: for parity tests, {indexer layer: [B, S, k] compressed-row ids (-1
-                empty)} replacing that indexer's own top-k.
         """
         ids = mx.array(ids) if not isinstance(ids, mx.array) else ids
         if ids.ndim == 1:
@@ -118,8 +116,7 @@ class Model(nn.Module):
         ctx = ForwardContext(
             positions=mx.arange(offset, offset + ids.shape[1]), offset=offset, caches=cache,
             compat_index_k_bug=self.compat_reference_index_k_bug,
-            compat_index_k_source=self._compat_source, forced_selections=selections,
-            capture=capture)
+            compat_index_k_source=self._compat_source, capture=capture)
         ctx.engram_rows = self._engram_rows(ids, cache)
         hidden = self.model(ids, ctx)
         for c in cache:

@@ -45,6 +45,8 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise CheckpointError(f"{self.path}: corrupt safetensors header") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not an object)")
         self.metadata = header.pop("__metadata__", {}) or {}
         self.entries = header
         self._start = 8 + n
@@ -54,7 +56,13 @@ class SafetensorsFile:
         self._map = None
 
     def _check_entry(self, name, entry):
-        dtype = entry.get("dtype")
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise CheckpointError(f"{self.path}: tensor {name} has a malformed header entry")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{self.path}: tensor {name} has a malformed shape or offsets")
         if dtype not in STORAGE:
             raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
         begin, end = entry["data_offsets"]

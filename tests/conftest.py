@@ -1,0 +1,44 @@
+"""Shared fixtures: the reference goldens copied into tests/data/goldens (see its README)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+DATA = Path(__file__).parent / "data"
+GOLDENS = DATA / "goldens"
+
+
+def golden_checkpoint(name: str) -> Path:
+    """`grow` runs the `tiny` weights, so it has no checkpoint copy of its own."""
+    return GOLDENS / ("tiny" if name == "grow" else name) / "hf"
+
+
+class Golden:
+    def __init__(self, name: str):
+        self.name = name
+        self.root = GOLDENS / name
+        self.hf = golden_checkpoint(name)
+        self.prompt = mx.load(str(self.root / "prefill/inputs.safetensors"))["prompt_ids"]
+        self.prefill = mx.load(str(self.root / "prefill/outputs.safetensors"))
+        self.reference = mx.load(str(self.root / "reference.safetensors"))
+
+    def decode(self, mode: str, key: str) -> mx.array:
+        return self.reference[f"decode_{mode}.{key}"]
+
+    def step(self, mode: str, step: int, key: str) -> mx.array:
+        return self.reference[f"decode_{mode}.{step:03d}.{key}"]
+
+
+@pytest.fixture(scope="session")
+def goldens():
+    cache = {}
+
+    def get(name: str) -> Golden:
+        if name not in cache:
+            cache[name] = Golden(name)
+        return cache[name]
+
+    return get

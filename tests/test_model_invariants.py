@@ -1,0 +1,71 @@
+"""Invariants of the forward pass: chunked prefill/decode with the cache equals one call over
+the whole sequence (ragged random splits, including single tokens and splits inside a ratio-2
+group), and a batch of 2 equals two batches of 1. MLX's CPU kernels are deterministic across
+these shapes here, so the comparison is exact."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import mlx_v41
+from conftest import golden_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return mlx_v41.load_model(golden_checkpoint("tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompt(goldens):
+    return goldens("tiny").prompt[None, :90].astype(mx.int32)
+
+
+def _chunked(model, ids, splits):
+    cache = model.make_cache()
+    outs, previous = [], 0
+    for end in list(splits) + [ids.shape[1]]:
+        outs.append(model(ids[:, previous:end], cache=cache))
+        previous = end
+    return mx.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_equals_uncached_over_random_splits(tiny, prompt, seed):
+    rng = random.Random(seed)
+    n = prompt.shape[1]
+    splits = sorted(rng.sample(range(1, n), rng.randint(1, 8)))
+    full = tiny(prompt)
+    chunked, cache = _chunked(tiny, prompt, splits)
+    assert mx.array_equal(chunked, full), splits
+    assert all(c.offset == n for c in cache)
+
+
+def test_token_by_token_equals_prefill(tiny, prompt):
+    ids = prompt[:, :40]
+    chunked, _ = _chunked(tiny, ids, range(1, 40))
+    assert mx.array_equal(chunked, tiny(ids))
+
+
+def test_batch_of_two_equals_two_batches_of_one(tiny, prompt):
+    other = prompt[:, ::-1]
+    both = tiny(mx.concatenate([prompt, other], axis=0))
+    assert mx.array_equal(both[0], tiny(prompt)[0])
+    assert mx.array_equal(both[1], tiny(other)[0])
+
+
+def test_batched_decode_continues_each_row(tiny, prompt):
+    batch = mx.concatenate([prompt[:, :50], prompt[:, 10:60]], axis=0)
+    cache = tiny.make_cache()
+    tiny(batch, cache=cache)
+    step = tiny(mx.array([[5], [7]], dtype=mx.int32), cache=cache)
+    for row, ids in enumerate([prompt[:, :50], prompt[:, 10:60]]):
+        single = tiny.make_cache()
+        tiny(ids, cache=single)
+        token = mx.array([[5, 7][row]], dtype=mx.int32)[None]
+        assert mx.array_equal(step[row], tiny(token, cache=single)[0])
+
+
+def test_last_only_matches_full_logits(tiny, prompt):
+    assert mx.array_equal(tiny(prompt, last_only=True)[:, -1], tiny(prompt)[:, -1])

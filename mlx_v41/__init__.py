@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cache import CacheError, cache_bytes, trim_cache
 from .config import ConfigError, ModelArgs
+from .prompt_cache import copy_cache, load_prompt_cache, save_prompt_cache
 from .safetensors_io import CheckpointError
 
 __version__ = "0.1.0"
@@ -33,13 +35,16 @@ def _token_map(folder: Path, cfg):
                           "engram_token_map.json)")
 
 
-def load_model(path, compat_reference_index_k_bug: bool = False):
+def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced"):
     """Load a model folder in the published Hugging Face layout.
 
     Args:
         path: folder with config.json, model.safetensors.index.json and the shards.
         compat_reference_index_k_bug: reproduce the reference's decode-time index-key defect
             (spec deviations.md D1); only for parity tests against the reference.
+        prefill_mode: "ced" (default: exact encoder-only prefill with the decoder halo),
+            "full" (every layer over every row, like the reference) or "ced_replay" (the tech
+            report's bounded replay: APPROXIMATE, opt-in).
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -51,7 +56,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False):
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder not found")
     args = ModelArgs.from_file(folder / "config.json")
-    model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug)
+    model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
+                  prefill_mode=prefill_mode)
     load_weights(model, folder)
     if args.text_config.engram_layer_ids:
         model.engram_hasher = EngramHasher.from_config(
@@ -59,4 +65,5 @@ def load_model(path, compat_reference_index_k_bug: bool = False):
     return model
 
 
-__all__ = ["load_model", "ModelArgs", "ConfigError", "CheckpointError"]
+__all__ = ["load_model", "ModelArgs", "ConfigError", "CheckpointError", "CacheError",
+           "cache_bytes", "trim_cache", "save_prompt_cache", "load_prompt_cache", "copy_cache"]

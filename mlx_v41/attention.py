@@ -17,7 +17,7 @@ from .config import TextConfig
 from .indexer import NEG_INF, Indexer, candidate_pool, top_rows, visible_rows
 from .layer_roles import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm
-from .quant import act_fp8_qdq, fp4_e4m3_qdq
+from .quant import act_fp8_qdq
 from .rope import RoPE
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a row with no keys yields 0, not NaN
@@ -25,17 +25,23 @@ RUNNING_MAX_FLOOR = -1e30  # finite: a row with no keys yields 0, not NaN
 
 @dataclass
 class ForwardContext:
-    """State shared across the layers of one forward call."""
+    """State shared across the layers of one forward call over positions [start, end)."""
 
-    positions: mx.array                       # [S] absolute positions
-    offset: int
+    start: int                                # first position of this call
+    end: int                                  # one past the last position
     caches: list                              # LayerCache per backbone layer
     compat_index_k_bug: bool = False
     compat_index_k_source: Optional[int] = None
-    selections: dict = field(default_factory=dict)   # topk owner -> [B, S, k] rows (-1 empty)
-    pool: Optional[mx.array] = None                  # candidate mask [B, S, T]
+    selections: dict = field(default_factory=dict)   # topk owner -> [B, rows, k] (-1 empty)
+    pool: Optional[mx.array] = None                  # candidate mask [B, rows, T]
     engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
+    precompressed: set = field(default_factory=set)  # layers whose compressor already ran
+    truncate_window: bool = False                    # bounded replay: no rows before the span
     capture: Optional[dict] = None                   # debugging: name -> intermediate
+
+    def positions(self, n: int) -> mx.array:
+        """Positions of the last `n` rows of the call."""
+        return mx.arange(self.end - n, self.end)
 
     def record(self, name: str, value: mx.array) -> None:
         if self.capture is not None:
@@ -96,56 +102,66 @@ class Attention(nn.Module):
         self.window, self.topk = cfg.sliding_window, cfg.index_topk
         self.pool_blocks, self.pool_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
 
-    def __call__(self, x: mx.array, ctx: ForwardContext, cache: LayerCache) -> mx.array:
-        batch, length, _ = x.shape
-        pos = ctx.positions
+    def __call__(self, x: mx.array, ctx: ForwardContext, cache: LayerCache,
+                 n_out: Optional[int] = None) -> mx.array:
+        """x [B, n_in, D]: attention inputs of the last n_in positions of the call. All n_in
+        rows get window KV; only the last `n_out` rows (default all) are queries."""
+        batch, n_in, _ = x.shape
+        n_out = n_in if n_out is None else n_out
+        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), ctx.positions(n_in)))
+        keys, valid = self._window_keys(kv, cache, ctx, n_out)
+        cache.window.write(kv, ctx.end - n_in)
+        if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
+            self.compress(x, ctx, cache)
+        x = x[:, n_in - n_out:]
+        pos = ctx.positions(n_out)
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).reshape(batch, length, self.heads, self.head_dim)
+        q = self.q_b_proj(qr).reshape(batch, n_out, self.heads, self.head_dim)
         q = self.rope(q, pos)
-        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), pos))
-        keys, valid = self._window_keys(kv, cache, ctx.offset)
-        cache.window.write(kv, ctx.offset)
-        if self.role.ratio > 0 and (rows := self._global_rows(x, qr, ctx, cache)).shape[-1]:
+        if self.role.ratio > 0 and (rows := self._global_rows(x, qr, ctx)).shape[-1]:
             owner = ctx.caches[self.role.kv_owner].compressed
-            keys = mx.concatenate([keys, _gather_rows(owner.keys(), rows)], axis=2)
+            keys = mx.concatenate([keys, owner.gather(rows)], axis=2)
             valid = mx.concatenate([valid, rows >= 0], axis=2)
         out = sparse_attention(q, keys, valid, self.sinks, self.head_dim ** -0.5)
         out = self.rope(out, pos, inverse=True)
         groups = self.o_a_proj.weight.shape[0]
-        out = self.o_a_proj(out.reshape(batch, length, groups, -1))
-        return self.o_b_proj(out.reshape(batch, length, -1))
+        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1))
+        return self.o_b_proj(out.reshape(batch, n_out, -1))
 
-    def _window_keys(self, kv, cache: LayerCache, offset: int):
-        """Window rows of every query: [B, S, W, d] and their validity [B, S, W]."""
-        recent = cache.window.recent(offset)
+    def _window_keys(self, kv, cache: LayerCache, ctx: ForwardContext, n_out: int):
+        """Window rows of the last n_out queries: [B, n_out, W, d] and validity [B, n_out, W].
+        Rows before the call come from the ring, unless the call's first rows were skipped
+        (then no query needs them) or the window is truncated (bounded replay)."""
+        n_in = kv.shape[1]
+        first = ctx.end - n_in
+        recent = None
+        if first == ctx.start and not ctx.truncate_window:
+            recent = cache.window.recent(first)
         previous = 0 if recent is None else recent.shape[1]
         rows = kv if recent is None else mx.concatenate([recent, kv], axis=1)
-        length = kv.shape[1]
-        idx = (previous + mx.arange(length))[:, None] - (self.window - 1) + \
-            mx.arange(self.window)[None, :]
+        queries = previous + n_in - n_out + mx.arange(n_out)
+        idx = queries[:, None] - (self.window - 1) + mx.arange(self.window)[None, :]
         valid = mx.broadcast_to((idx >= 0)[None], (kv.shape[0],) + idx.shape)
         return rows[:, mx.maximum(idx, 0)], valid
 
-    def _global_rows(self, x, qr, ctx: ForwardContext, cache: LayerCache) -> mx.array:
-        role = self.role
-        if role.mode == FULL:
-            self._compress(x, ctx, cache)
+    def _global_rows(self, x, qr, ctx: ForwardContext) -> mx.array:
+        """Selected compressed rows [B, n, k] of the owner's cache for the n query rows."""
+        role, n = self.role, x.shape[1]
         if not role.has_indexer:
-            return ctx.selections[role.topk_owner]
+            return ctx.selections[role.topk_owner][:, -n:]
         owner = ctx.caches[role.kv_owner].compressed
         total = owner.count
         if total == 0:
-            rows = mx.zeros((x.shape[0], x.shape[1], 0), dtype=mx.int32)
+            rows = mx.zeros((x.shape[0], n, 0), dtype=mx.int32)
         else:
-            keys = self._index_keys(ctx, owner)
-            scores = self.indexer.scores(x, qr, ctx.positions, self.rope, keys)
-            visible = visible_rows(ctx.positions, role.ratio, total)[None]
-            scores = mx.where(visible, scores, NEG_INF)
+            pos = ctx.positions(n)
+            scores = self.indexer.scores(x, qr, pos, self.rope, self._index_keys(ctx, owner))
+            scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
             if role.is_candidate_source:
-                ctx.pool = candidate_pool(scores, ctx.positions, role.ratio,
-                                          self.pool_blocks, self.pool_block)
+                ctx.pool = candidate_pool(scores, pos, role.ratio, self.pool_blocks,
+                                          self.pool_block)
             elif role.uses_candidates and ctx.pool is not None:
-                scores = mx.where(ctx.pool, scores, NEG_INF)
+                scores = mx.where(ctx.pool[:, -n:], scores, NEG_INF)
             ctx.record(f"layers.{role.layer}.indexer.score", scores)
             rows = top_rows(scores, self.topk)
         ctx.record(f"layers.{role.layer}.indexer.topk", rows)
@@ -156,24 +172,18 @@ class Attention(nn.Module):
         """Own index keys; with the compat switch, the reference's stale handle (D1)."""
         role = self.role
         stale = (ctx.compat_index_k_bug and role.owns_index_k and role.ratio > 1
-                 and ctx.compat_index_k_source is not None and ctx.positions.size == 1
-                 and ctx.offset % 2 == 0)
+                 and ctx.compat_index_k_source is not None and ctx.end - ctx.start == 1
+                 and ctx.start % 2 == 0)
         if stale:
             return ctx.caches[ctx.compat_index_k_source].compressed.index_keys(owner.count)
         return owner.index_keys()
 
-    def _compress(self, x, ctx: ForwardContext, cache: LayerCache) -> None:
+    def compress(self, x, ctx: ForwardContext, cache: LayerCache) -> None:
+        """Append the owner's global rows for the call's positions (x covers all of them)."""
         store = cache.compressed
-        latents, first = self.compressor(x, store, ctx.offset)
+        latents, first = self.compressor(x, store, ctx.start)
         if latents.shape[1] == 0:
             return
         group_pos = (first + mx.arange(latents.shape[1])) * self.role.ratio
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
-        store.append(fp4_e4m3_qdq(self.rope(latents, group_pos)), index_rows)
-
-
-def _gather_rows(rows: mx.array, ids: mx.array) -> mx.array:
-    """rows [B, T, d], ids [B, S, k] (-1 empty) -> [B, S, k, d]."""
-    batch, total, dim = rows.shape
-    flat = mx.maximum(ids, 0) + (mx.arange(batch) * total)[:, None, None]
-    return rows.reshape(batch * total, dim)[flat]
+        store.append(self.rope(latents, group_pos), index_rows)

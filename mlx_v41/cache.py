@@ -1,8 +1,14 @@
-"""Per-layer inference state: the sliding-window ring, the owners' compressed KV and index keys,
-the ratio-2 compressor's open group, and the Engram token history (spec cache.md §1–3).
+"""Per-layer inference state in packed form (spec cache.md §1–3).
 
-`make_cache(model)` returns one `LayerCache` per backbone layer (mlx-lm's list convention).
-Rows are held as their fake-quantised bf16 values; `offset` counts committed positions.
+* `WindowRing`: every layer's sliding-window KV, a fixed-capacity ring (slot = position mod R)
+  of 528-byte FP8 rows (512 E4M3 values + 16 E8M0 scales, cache.md §3.1); R = 2 x window so a
+  multi-row call can be rolled back by resetting the length.
+* `CompressedKV`: an owner layer's global cache, one packed FP4 main-KV row (288 B: E2M1 codes,
+  even element in the low nibble, then E4M3 scales per 16) and one index-key row (68 B: codes,
+  then E8M0 scales per 32) per compressed group, plus the ratio-2 compressor's open group and a
+  ring of its recent inputs (for exact trimming).
+* `LayerCache`: one layer's state, `offset`, `nbytes`, `state`, `trim` (mlx-lm's interface).
+Decoding a row gives exactly the reference's fake-quantised values (tests/test_cache.py).
 """
 
 from __future__ import annotations
@@ -12,44 +18,72 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-GROW_STEP = 256  # rows added when a growing buffer fills
+from .quant import (pack_fp4_e4m3, pack_fp4_e8m0, pack_fp8_e8m0, unpack_fp4_e4m3,
+                    unpack_fp4_e8m0, unpack_fp8_e8m0)
+
+GROW_STEP = 256  # rows added when a compressed cache fills
+RING_FACTOR = 2  # ring capacity in windows: the spare half holds rows a rollback may restore
 
 
-def _grow(buf: Optional[mx.array], needed: int, template: mx.array) -> mx.array:
-    """Return a buffer of at least `needed` rows along axis 1, keeping `buf`'s contents."""
+class CacheError(ValueError):
+    """A cache operation that cannot be done exactly (the message says why)."""
+
+
+def _put_rows(buf: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
+    """A new buffer with `rows` [B, n, ...] at axis-1 `slots` (functional: snapshots that share
+    the old buffer stay unchanged)."""
+    idx = slots.reshape((1, -1) + (1,) * (rows.ndim - 2))
+    return mx.put_along_axis(buf, idx, rows, axis=1)
+
+
+def _grow(buf: Optional[mx.array], needed: int, batch: int, width: int, dtype) -> mx.array:
+    """A buffer [B, >= needed, width] keeping `buf`'s rows; grows in GROW_STEP pages."""
     have = 0 if buf is None else buf.shape[1]
     if have >= needed:
         return buf
-    rows = ((needed + GROW_STEP - 1) // GROW_STEP) * GROW_STEP - have
-    extra = mx.zeros((template.shape[0], rows) + template.shape[2:], dtype=template.dtype)
+    rows = -(-needed // GROW_STEP) * GROW_STEP - have
+    extra = mx.zeros((batch, rows, width), dtype=dtype)
     return extra if buf is None else mx.concatenate([buf, extra], axis=1)
 
 
 class WindowRing:
-    """Fixed-capacity ring of window KV rows, slot = position mod capacity."""
+    """Window KV rows of positions [valid_from, end) in slots position mod capacity."""
 
     def __init__(self, window: int, capacity: Optional[int] = None):
         self.window = window
-        self.capacity = capacity or window
-        self.rows: Optional[mx.array] = None   # [B, capacity, D]
+        self.capacity = capacity or RING_FACTOR * window
+        self.rows: Optional[mx.array] = None   # [B, capacity, 33 * D / 32] uint8
+        self.valid_from = 0
+        self.end = 0
 
-    def recent(self, offset: int) -> mx.array:
-        """Rows of positions [offset - n, offset) in order, n = min(offset, window - 1)."""
-        n = min(offset, self.window - 1)
+    def recent(self, position: int) -> Optional[mx.array]:
+        """Decoded rows of positions [position - n, position), n = min(position, window - 1)."""
+        n = min(position, self.window - 1)
         if n == 0 or self.rows is None:
             return None
-        slots = mx.arange(offset - n, offset) % self.capacity
-        return self.rows[:, slots]
+        slots = mx.arange(position - n, position) % self.capacity
+        return unpack_fp8_e8m0(self.rows[:, slots])
 
-    def write(self, rows: mx.array, offset: int) -> None:
-        """Store rows of positions [offset, offset + S); only the last `capacity` matter."""
+    def write(self, values: mx.array, position: int) -> None:
+        """Store window KV values (already FP8-rounded) of positions [position, position + S)."""
+        packed = pack_fp8_e8m0(values)
         if self.rows is None:
-            shape = (rows.shape[0], self.capacity) + rows.shape[2:]
-            self.rows = mx.zeros(shape, dtype=rows.dtype)
-        keep = min(rows.shape[1], self.capacity)
-        start = offset + rows.shape[1] - keep
+            self.rows = mx.zeros((packed.shape[0], self.capacity, packed.shape[-1]), mx.uint8)
+        keep = min(packed.shape[1], self.capacity)
+        start = position + packed.shape[1] - keep
         slots = mx.arange(start, start + keep) % self.capacity
-        self.rows[:, slots] = rows[:, -keep:]
+        self.rows = _put_rows(self.rows, slots, packed[:, -keep:])
+        end = position + packed.shape[1]
+        if position > self.end:  # rows in between were never computed (CED prefill)
+            self.valid_from = position
+        self.valid_from = max(self.valid_from, end - self.capacity)
+        self.end = end
+
+    def can_rewind_to(self, position: int) -> bool:
+        return position <= self.end and self.valid_from <= max(0, position - self.window + 1)
+
+    def rewind(self, position: int) -> None:
+        self.end = position
 
     @property
     def nbytes(self) -> int:
@@ -57,50 +91,146 @@ class WindowRing:
 
 
 class CompressedKV:
-    """An owner layer's global cache: main KV rows, index-key rows and the open ratio-2 group."""
+    """An owner layer's packed global cache: row j = compressed group j."""
 
-    def __init__(self, ratio: int):
+    def __init__(self, ratio: int, history: int = 0):
         self.ratio = ratio
         self.count = 0
-        self.kv: Optional[mx.array] = None        # [B, capacity, head_dim]
-        self.index_k: Optional[mx.array] = None   # [B, capacity, index_head_dim]
-        self.pending: Optional[tuple[mx.array, mx.array]] = None  # (k, score) [B, 1, D] fp32
+        self.kv: Optional[mx.array] = None        # [B, capacity, 288-style] uint8
+        self.index_k: Optional[mx.array] = None   # [B, capacity, 68-style] uint8
+        self.pending: Optional[tuple[mx.array, mx.array]] = None  # (k, score) [B, 1, d] fp32
+        # Ring of recent compressor inputs (k, score) [B, history, 2, d], slot = position mod
+        # history: what a trim to an odd length needs to reopen a group.
+        self.history = history
+        self.inputs: Optional[mx.array] = None
 
-    def append(self, kv_rows: mx.array, index_rows: mx.array) -> None:
-        n = kv_rows.shape[1]
+    def append(self, kv_values: mx.array, index_values: mx.array) -> None:
+        """Pack and store new rows (their values are already RoPE'd)."""
+        n = kv_values.shape[1]
         if n == 0:
             return
-        self.kv = _grow(self.kv, self.count + n, kv_rows)
-        self.index_k = _grow(self.index_k, self.count + n, index_rows)
-        self.kv[:, self.count:self.count + n] = kv_rows
-        self.index_k[:, self.count:self.count + n] = index_rows
+        kv, ik = pack_fp4_e4m3(kv_values), pack_fp4_e8m0(index_values)
+        batch = kv.shape[0]
+        self.kv = _grow(self.kv, self.count + n, batch, kv.shape[-1], mx.uint8)
+        self.index_k = _grow(self.index_k, self.count + n, batch, ik.shape[-1], mx.uint8)
+        start = mx.array([0, self.count, 0])
+        self.kv = mx.slice_update(self.kv, kv, start, axes=(0, 1, 2))
+        self.index_k = mx.slice_update(self.index_k, ik, start, axes=(0, 1, 2))
         self.count += n
 
-    def keys(self) -> mx.array:
-        return self.kv[:, :self.count]
+    def remember_inputs(self, k: mx.array, s: mx.array, position: int) -> None:
+        """Keep the compressor inputs of positions [position, position + S) in the ring."""
+        if not self.history:
+            return
+        rows = mx.stack([k, s], axis=2)
+        if self.inputs is None:
+            self.inputs = mx.zeros((rows.shape[0], self.history) + rows.shape[2:], mx.float32)
+        keep = min(rows.shape[1], self.history)
+        start = position + rows.shape[1] - keep
+        self.inputs = _put_rows(self.inputs, mx.arange(start, start + keep) % self.history,
+                                rows[:, -keep:])
+
+    def gather(self, rows: mx.array) -> mx.array:
+        """Decoded main-KV rows for ids [B, S, k] (-1 = empty; decoded as row 0)."""
+        batch, length, k = rows.shape
+        flat = mx.maximum(rows, 0) + (mx.arange(batch) * self.kv.shape[1])[:, None, None]
+        packed = self.kv.reshape(-1, self.kv.shape[-1])[flat]
+        return unpack_fp4_e4m3(packed)
 
     def index_keys(self, rows: Optional[int] = None) -> mx.array:
-        return self.index_k[:, :self.count if rows is None else rows]
+        """Decoded index keys of rows [0, rows) (all rows by default)."""
+        return unpack_fp4_e8m0(self.index_k[:, :self.count if rows is None else rows])
+
+    def rewind(self, position: int) -> None:
+        """Drop the rows and open group after `position` tokens."""
+        self.count = min(self.count, position // self.ratio)
+        self.pending = None
+        if self.ratio > 1 and position % self.ratio:
+            slot = (position - 1) % self.history
+            self.pending = (self.inputs[:, slot:slot + 1, 0], self.inputs[:, slot:slot + 1, 1])
 
     @property
     def nbytes(self) -> int:
-        total = sum(a.nbytes for a in (self.kv, self.index_k) if a is not None)
-        return total + (sum(a.nbytes for a in self.pending) if self.pending else 0)
+        """Bytes of the committed rows (the length-dependent global KV)."""
+        if self.kv is None:
+            return 0
+        batch = self.kv.shape[0]
+        return batch * self.count * (self.kv.shape[-1] + self.index_k.shape[-1])
+
+    @property
+    def fixed_nbytes(self) -> int:
+        """Open group and input ring (bounded)."""
+        pending = sum(a.nbytes for a in self.pending) if self.pending else 0
+        return pending + (0 if self.inputs is None else self.inputs.nbytes)
 
 
 class LayerCache:
-    """All state of one layer; `compressed` only for kv owners, `engram_history` for Engram
-    layers (the last `max_ngram - 1` compressed ids, -1 = none)."""
+    """All state of one layer. `compressed` only for kv owners; `engram_ids` (compressed token
+    ids of every position, [B, offset] int32 numpy) only for Engram layers."""
 
     def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
-                 engram_history: int = 0):
+                 has_engram: bool = False):
         self.offset = 0
         self.window = WindowRing(window)
-        self.compressed = CompressedKV(ratio) if owns_kv else None
-        self.engram_history = np.full((1, engram_history), -1, np.int64) if engram_history \
-            else None
+        history = self.window.capacity if ratio > 1 else 0
+        self.compressed = CompressedKV(ratio, history) if owns_kv else None
+        self.engram_ids = np.zeros((1, 0), np.int32) if has_engram else None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def max_trim(self) -> int:
+        """Most tokens `trim` can undo: the ring must still hold the new window."""
+        return max(0, min(self.offset, self.offset - self.window.valid_from
+                          - self.window.window + 1))
+
+    def can_trim(self, n: int) -> bool:
+        return 0 <= n <= self.offset and self.window.can_rewind_to(self.offset - n)
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` positions (mlx-lm's prompt-cache interface); returns n."""
+        if not 0 <= n <= self.offset:
+            raise CacheError(f"cannot trim {n} tokens from a cache holding {self.offset}")
+        if not self.can_trim(n):
+            raise CacheError(f"cannot trim {n} tokens: at most {self.max_trim()} can be rolled "
+                             "back exactly (the window ring holds the rows of positions "
+                             f"{self.window.valid_from}..{self.window.end - 1})")
+        position = self.offset - n
+        self.window.rewind(position)
+        if self.compressed is not None:
+            self.compressed.rewind(position)
+        if self.engram_ids is not None:
+            self.engram_ids = self.engram_ids[:, :position]
+        self.offset = position
+        return n
 
     @property
     def nbytes(self) -> int:
         total = self.window.nbytes
-        return total + (self.compressed.nbytes if self.compressed is not None else 0)
+        if self.compressed is not None:
+            total += self.compressed.nbytes + self.compressed.fixed_nbytes
+        if self.engram_ids is not None:
+            total += self.engram_ids.nbytes
+        return total
+
+
+def trim_cache(cache: list, n: int) -> int:
+    """Trim every layer by `n` tokens, or none if any layer cannot (the cache is unchanged)."""
+    limit = min(c.max_trim() for c in cache)
+    if not 0 <= n <= limit:
+        raise CacheError(f"cannot trim {n} tokens from this cache: it holds {cache[0].offset} "
+                         f"positions and can roll back at most {limit} exactly")
+    for c in cache:
+        c.trim(n)
+    return n
+
+
+def cache_bytes(cache: list) -> dict:
+    """Measured bytes of a model cache: `global_kv` (compressed KV + index keys: the
+    length-dependent part), `window` (the constant rings) and `other` (open groups, compressor
+    input rings, Engram id history)."""
+    global_kv = sum(c.compressed.nbytes for c in cache if c.compressed is not None)
+    window = sum(c.window.nbytes for c in cache)
+    total = sum(c.nbytes for c in cache)
+    return {"global_kv": global_kv, "window": window, "other": total - global_kv - window,
+            "total": total}

@@ -26,6 +26,7 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.kv_norm(self.kv_proj(x)), offset
         k, s = self.kv_proj(x), self.gate_proj(x)
+        store.remember_inputs(k, s, offset)
         if store.pending is not None:
             k = mx.concatenate([store.pending[0], k], axis=1)
             s = mx.concatenate([store.pending[1], s], axis=1)

@@ -28,8 +28,9 @@ class Indexer(nn.Module):
         self.n_heads, self.index_dim = n_heads, index_dim
 
     def keys(self, latents: mx.array, positions: mx.array, rope: RoPE) -> mx.array:
-        """Index keys of new pre-RoPE latents [B, G, d] at their group positions."""
-        return fp4_e8m0_qdq(rope(self.k_norm(self.k_proj(latents)), positions))
+        """Index keys (RoPE'd, not yet FP4-rounded: the cache packs them) of new pre-RoPE
+        latents [B, G, d] at their group positions."""
+        return rope(self.k_norm(self.k_proj(latents)), positions)
 
     def scores(self, x, qr, positions, rope: RoPE, keys: mx.array) -> mx.array:
         """bf16 scores [B, S, T] of each query row against every key row (no masking)."""

@@ -1,0 +1,76 @@
+"""FP4 packing of compressed cache rows: main-KV rows (fp4_e4m3, 16 per E4M3 scale) and index-key
+rows (fp4_e8m0, 32 per E8M0 scale) into the byte layouts of cache.md §3.1 (quant.pack_fp4_*).
+
+The Metal kernel (metal/fp4_pack.metal) runs one thread per scale group and replaces the ops'
+52 (index) / 81 (main KV) un-fused MLX launches with one; its bytes equal the ops' bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from ..quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
+from .builder import build_kernel
+
+KINDS = {"kv": (FP4_E4M3_BLOCK, True), "index": (FP4_E8M0_BLOCK, False)}  # group, E4M3 scale
+_FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+_THREADS = 256  # threads per threadgroup; element-wise, so any edge group size works
+
+
+def packed_width(width: int, kind: str) -> int:
+    """Bytes of one packed row of `width` channels: width/2 code bytes + one scale per group."""
+    group, _ = KINDS[kind]
+    return width // 2 + width // group
+
+
+def fp4_pack_ops(rows: mx.array, kind: str) -> mx.array:
+    """Reference: rows [..., W] float -> uint8 [..., packed_width(W, kind)] (pure MLX)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return pack_fp4_e4m3(rows) if kind == "kv" else pack_fp4_e8m0(rows)
+
+
+def build_fp4_pack(metal_kernel=None):
+    """The kernel as `run(rows, kind)`, built from metal/fp4_pack.metal with `metal_kernel`
+    (mx.fast.metal_kernel by default; tests pass the simulator)."""
+    kernel = build_kernel("v41_fp4_pack", ["x"], ["out"], "fp4_pack.metal",
+                          header_files=("v41_common.h",), factory=metal_kernel)
+
+    def run(rows: mx.array, kind: str) -> mx.array:
+        group, is_e4m3 = KINDS[kind]
+        *lead, width = rows.shape
+        x = rows.reshape(-1, width)
+        threads = x.shape[0] * (width // group)
+        out, = kernel(inputs=[x], template=[("G", group), ("E4M3", is_e4m3)],
+                      grid=(threads, 1, 1), threadgroup=(min(_THREADS, threads), 1, 1),
+                      output_shapes=[(x.shape[0], packed_width(width, kind))],
+                      output_dtypes=[mx.uint8])
+        return out.reshape(*lead, packed_width(width, kind))
+
+    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
+    return run
+
+
+@functools.cache
+def _metal_run():
+    return build_fp4_pack()
+
+
+def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True) -> mx.array:
+    """Pack cache rows into FP4 bytes.
+
+    Args:
+        rows: [..., W] bf16/f16/f32, W a multiple of 16 ("kv") or 32 ("index").
+        kind: "kv" (fp4_e4m3: W/2 + W/16 bytes) or "index" (fp4_e8m0: W/2 + W/32 bytes).
+        use_kernel: use the Metal kernel when it applies.
+    Returns:
+        uint8 [..., packed row bytes], identical to `fp4_pack_ops`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    if (not use_kernel or not mx.metal.is_available() or rows.dtype not in _FLOAT_DTYPES
+            or rows.ndim == 0 or rows.shape[-1] % KINDS[kind][0] or rows.size == 0):
+        return fp4_pack_ops(rows, kind)
+    return _metal_run()(rows, kind)

@@ -1,0 +1,159 @@
+"""Sparse attention with sinks over a layer's sliding window and its selected compressed rows
+(CSA2, model.md §4-5; numerics.md §5.2: fp32 scores and softmax, probabilities rounded to bf16
+before P.V, fp32 denominator with the per-head sink, running-max floor -1e30, bf16 output).
+
+`sparse_attention_ops` gathers the window rows, gathers and dequantises the packed FP4 rows, and
+runs the softmax on the result. The Metal kernel (metal/sparse_attention.metal) does one pass with
+an online softmax over blocks of 64 keys, decoding each packed 288 B row on the fly, so neither
+the gathered keys nor a dequantised copy of the cache is ever written to memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from ..quant import FP4_E4M3_BLOCK, unpack_fp4_e4m3
+from .builder import build_kernel
+
+RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
+MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
+SIMDGROUPS = 4
+
+
+def packed_row_bytes(head_dim: int) -> int:
+    """Bytes of one packed fp4_e4m3 row: head_dim/2 codes + head_dim/16 E4M3 scales."""
+    return head_dim // 2 + head_dim // FP4_E4M3_BLOCK
+
+
+def window_rows(length: int, prefix: int, window_size: int) -> mx.array:
+    """[S, window_size] window row index of each query's window slots; < 0 where empty."""
+    newest = prefix + mx.arange(length)
+    return newest[:, None] - (window_size - 1) + mx.arange(window_size)[None, :]
+
+
+def _gather_packed(packed_kv: mx.array, rows: mx.array) -> mx.array:
+    """packed_kv [B, T, P], rows [B, S, K] (valid) -> [B, S, K, P]."""
+    batch, total, width = packed_kv.shape
+    flat = rows + (mx.arange(batch) * total)[:, None, None]
+    return packed_kv.reshape(batch * total, width)[flat]
+
+
+def attend(q, keys, valid, sinks, scale):
+    """q [B, S, H, d], keys [B, S, N, d] (K = V), valid [B, S, N] -> [B, S, H, d] bf16.
+
+    The probabilities are rounded to bf16 relative to the row's global max (not per block)."""
+    kf = keys.astype(mx.float32)
+    z = (q.astype(mx.float32) @ kf.swapaxes(-1, -2)) * scale          # [B, S, H, N]
+    z = mx.where(valid[:, :, None, :], z, float("-inf"))
+    top = mx.maximum(mx.max(z, axis=-1, keepdims=True), RUNNING_MAX_FLOOR)
+    p = mx.exp(z - top)
+    denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks[:, None] - top)
+    out = (p.astype(mx.bfloat16).astype(mx.float32) @ kf) / denom
+    return out.astype(mx.bfloat16)
+
+
+def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window_size: int):
+    """Reference (pure MLX, gather then attend); arguments as in `sparse_attention`."""
+    batch, length = q.shape[:2]
+    slots = window_rows(length, window.shape[1] - length, window_size)
+    keys = window[:, mx.maximum(slots, 0)]                                # [B, S, W, d]
+    valid = mx.broadcast_to((slots >= 0)[None], (batch,) + slots.shape)
+    total = packed_kv.shape[1]
+    if rows.shape[-1] and total:
+        present = (rows >= 0) & (rows < total)
+        packed = _gather_packed(packed_kv, mx.where(present, rows, 0))
+        keys = mx.concatenate([keys, unpack_fp4_e4m3(packed, keys.dtype)], axis=2)
+        valid = mx.concatenate([valid, present], axis=2)
+    return attend(q, keys, valid, sinks, scale)
+
+
+def heads_per_group(heads: int, head_dim: int) -> int:
+    """Heads one threadgroup serves: each key row is decoded once for all of them; at most
+    64 fp32 query and 64 accumulator registers per lane."""
+    limit = max(1, 64 // (head_dim // 32))
+    return next(h for h in (16, 8, 4, 2, 1) if h <= limit and heads % h == 0)
+
+
+def build_sparse_attention(metal_kernel=None):
+    """The kernel as `run(q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
+    simdgroups=SIMDGROUPS)`, built from metal/sparse_attention.metal with `metal_kernel`
+    (mx.fast.metal_kernel by default; tests pass the simulator)."""
+    kernel = build_kernel(
+        "v41_sparse_attention",
+        ["q", "window", "packed", "rows", "sinks", "scale", "window_size", "n_rows", "topk"],
+        ["out"],
+        "sparse_attention.metal", header_files=("v41_common.h",), factory=metal_kernel)
+
+    def run(q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
+            simdgroups=SIMDGROUPS):
+        batch, length, num_heads, dim = q.shape
+        group = heads or heads_per_group(num_heads, dim)
+        total, topk = packed_kv.shape[1], rows.shape[-1]
+        # Every array input keeps >= 8 elements so it binds as `device` (MLX binds smaller
+        # arrays as `constant`, a different kernel). Empty inputs become constant placeholders
+        # that are never read; a short `rows` is padded with empty entries (no effect).
+        if total == 0:
+            packed_kv = _placeholder((1, 1, 8), mx.uint8)
+        if topk == 0:
+            rows = _placeholder((8,), mx.int32)
+        elif rows.size < 8:
+            pad = mx.full((batch, length, -(-8 // (batch * length)) - topk), -1, dtype=mx.int32)
+            rows = mx.concatenate([rows.astype(mx.int32), pad], axis=-1)
+            topk = rows.shape[-1]
+        sinks = sinks.astype(mx.float32)
+        if sinks.size < 8:
+            sinks = mx.concatenate([sinks, mx.zeros((8 - sinks.size,), mx.float32)])
+        threads = 32 * simdgroups
+        out, = kernel(
+            inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, float(scale),
+                    int(window_size), int(total), int(topk)],
+            template=[("HEAD_DIM", dim), ("HEADS_PER_GROUP", group), ("SIMDGROUPS", simdgroups)],
+            grid=(threads * (num_heads // group), batch * length, 1),
+            threadgroup=(threads, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.bfloat16])
+        return out
+
+    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
+    return run
+
+
+@functools.cache
+def _placeholder(shape: tuple, dtype) -> mx.array:
+    """An evaluated 8-element array standing in for an empty input (never read)."""
+    out = mx.full(shape, -1, dtype=mx.int32).astype(dtype)
+    mx.eval(out)
+    return out
+
+
+@functools.cache
+def _metal_run():
+    return build_sparse_attention()
+
+
+def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,
+                     use_kernel: bool = True):
+    """Attention of a chunk's queries over their sliding window and selected compressed rows.
+
+    Args:
+        q: [B, S, H, d] bf16 queries (after RoPE).
+        window: [B, P + S, d] bf16 window KV rows: the P most recent cached rows, then the
+            chunk's S rows; query s attends rows [max(0, P + s - window_size + 1), P + s].
+        packed_kv: [B, T, d/2 + d/16] uint8 packed fp4_e4m3 rows of the kv owner (T may be 0).
+        rows: [B, S, K] int32 indices into packed_kv; -1 (or >= T) = empty (K may be 0).
+        sinks: [H] fp32 per-head sink logits (denominator only).
+        scale: score scale (head_dim ** -0.5).
+        window_size: sliding-window length.
+        use_kernel: use the Metal kernel when it applies.
+    Returns:
+        [B, S, H, d] bf16.
+    """
+    batch, length, num_heads, dim = q.shape
+    if packed_kv.shape[-1] != packed_row_bytes(dim) or packed_kv.dtype != mx.uint8:
+        raise ValueError(f"packed_kv must be uint8 rows of {packed_row_bytes(dim)} bytes for "
+                         f"head_dim {dim}, got {packed_kv.dtype} {packed_kv.shape}")
+    if (not use_kernel or not mx.metal.is_available() or q.dtype != mx.bfloat16
+            or window.dtype != mx.bfloat16 or dim % 32 or dim > MAX_HEAD_DIM
+            or q.size == 0 or window_size < 1):
+        return sparse_attention_ops(q, window, packed_kv, rows, sinks, scale, window_size)
+    return _metal_run()(q, window, packed_kv, rows, sinks, scale, window_size)

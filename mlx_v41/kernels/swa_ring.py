@@ -1,0 +1,104 @@
+"""Sliding-window (SWA) ring update: FP8-round a chunk's window KV rows (act_fp8, numerics.md Q2)
+and write them at slots `position mod R` of the layer's ring (cache.md §3.2). The ring holds
+either the rounded values ([B, R, D] float) or the packed 528-style rows of cache.md §3.1
+([B, R, D + D/32] uint8: E4M3 codes, then E8M0 scale bytes).
+
+The Metal kernel (metal/swa_ring.metal) fuses the rounding (or packing) and the slot writes into
+one launch. `mx.fast.metal_kernel` outputs are fresh buffers, so it re-emits the whole ring; the
+ops path scatters the rows and lets MLX reuse the ring's buffer when nothing else holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from ..quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
+from .builder import build_kernel
+
+_FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def _surviving(rows: mx.array, offset: int, capacity: int):
+    """The rows that stay in a ring of `capacity` slots, and their slots (no duplicates)."""
+    keep = min(rows.shape[1], capacity)
+    start = offset + rows.shape[1] - keep
+    return rows[:, rows.shape[1] - keep:], mx.arange(start, start + keep) % capacity
+
+
+def is_packed_ring(ring: mx.array, width: int) -> bool:
+    """A uint8 ring of D + D/32 byte rows holds packed FP8 rows; otherwise rounded values."""
+    if ring.dtype != mx.uint8:
+        return False
+    if ring.shape[-1] != width + width // ACT_FP8_BLOCK:
+        raise ValueError(f"a packed ring for width {width} needs rows of "
+                         f"{width + width // ACT_FP8_BLOCK} bytes, got {ring.shape[-1]}")
+    return True
+
+
+def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset: int) -> mx.array:
+    """Reference: ring [B, R, D] float or [B, R, D + D/32] uint8, rows [B, S, D] of positions
+    offset .. offset + S - 1 -> the new ring (pure MLX)."""
+    if rows.shape[1] == 0:
+        return ring
+    kept, slots = _surviving(rows, offset, ring.shape[1])
+    if is_packed_ring(ring, rows.shape[-1]):
+        values = pack_fp8_e8m0(kept)
+    else:
+        values = act_fp8_qdq(kept).astype(ring.dtype)
+    index = mx.broadcast_to(slots[None, :, None], values.shape)
+    return mx.put_along_axis(ring, index, values, axis=1)
+
+
+def _threadgroup(threads: int) -> int:
+    """Largest of 256/128/64/32 dividing `threads` (a multiple of 32): the simd_max needs full,
+    uniform simdgroups and the grid an exact multiple of the threadgroup."""
+    return next(t for t in (256, 128, 64, 32) if threads % t == 0)
+
+
+def build_swa_ring_update(metal_kernel=None):
+    """The kernel as `run(ring, rows, offset)`, built from metal/swa_ring.metal with `metal_kernel`
+    (mx.fast.metal_kernel by default; tests pass the simulator)."""
+    kernel = build_kernel("v41_swa_ring_update", ["ring", "rows", "offset"], ["out"],
+                          "swa_ring.metal", header_files=("v41_common.h",), factory=metal_kernel)
+
+    def run(ring: mx.array, rows: mx.array, offset: int) -> mx.array:
+        threads = ring.shape[0] * ring.shape[1] * rows.shape[-1]
+        packed = is_packed_ring(ring, rows.shape[-1])
+        out, = kernel(inputs=[ring, rows, int(offset)],
+                      template=[("T", ring.dtype), ("PACKED", packed)],
+                      grid=(threads, 1, 1), threadgroup=(_threadgroup(threads), 1, 1),
+                      output_shapes=[ring.shape], output_dtypes=[ring.dtype])
+        return out
+
+    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
+    return run
+
+
+@functools.cache
+def _metal_run():
+    return build_swa_ring_update()
+
+
+def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: bool = True) -> mx.array:
+    """Write a chunk's window rows into the ring, FP8-rounded.
+
+    Args:
+        ring: [B, R, D] rounded values, or [B, R, D + D/32] uint8 packed FP8 rows (slot =
+            position mod R).
+        rows: [B, S, D] window KV rows of positions offset .. offset + S - 1 (rounded or not:
+            act_fp8 is idempotent on the values), D a multiple of 32; when S > R only the
+            last R rows are kept.
+        offset: absolute position of rows[:, 0] (>= 0).
+        use_kernel: use the Metal kernel when it applies.
+    Returns:
+        The new ring, same shape and dtype; the kept rows' slots hold act_fp8_qdq(rows) or
+        pack_fp8_e8m0(rows).
+    """
+    packed = is_packed_ring(ring, rows.shape[-1])
+    if (not use_kernel or not mx.metal.is_available() or rows.shape[1] == 0
+            or rows.dtype not in _FLOAT_DTYPES or not (packed or ring.dtype == rows.dtype)
+            or rows.shape[-1] % ACT_FP8_BLOCK or offset < 0):
+        return swa_ring_update_ops(ring, rows, offset)
+    return _metal_run()(ring, rows, offset)

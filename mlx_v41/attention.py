@@ -17,11 +17,10 @@ from .config import TextConfig
 from .indexer import NEG_INF, Indexer, candidate_pool, top_rows, visible_rows
 from .layer_roles import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm
+from .kernels import Kernels
+from .kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq
 from .rope import RoPE
-
-RUNNING_MAX_FLOOR = -1e30  # finite: a row with no keys yields 0, not NaN
-
 
 @dataclass
 class ForwardContext:
@@ -37,6 +36,7 @@ class ForwardContext:
     engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
     precompressed: set = field(default_factory=set)  # layers whose compressor already ran
     truncate_window: bool = False                    # bounded replay: no rows before the span
+    kernels: Kernels = field(default_factory=Kernels)  # Metal kernels where they apply
     capture: Optional[dict] = None                   # debugging: name -> intermediate
 
     def positions(self, n: int) -> mx.array:
@@ -60,21 +60,10 @@ class GroupedLinear(nn.Module):
         """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
         groups = self.weight.shape[0]
         ids = mx.broadcast_to(mx.arange(groups), x.shape[:-1])
-        out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales, rhs_indices=ids,
-                            transpose=True, group_size=32, bits=8, mode="mxfp8")
+        out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales,
+                            rhs_indices=ids, transpose=True, group_size=32, bits=8,
+                            mode="mxfp8")
         return out.squeeze(-2).astype(mx.bfloat16)
-
-
-def sparse_attention(q, keys, valid, sinks, scale):
-    """q [B, S, H, d], keys [B, S, N, d] (K = V), valid [B, S, N] -> [B, S, H, d] bf16."""
-    kf = keys.astype(mx.float32)
-    z = (q.astype(mx.float32) @ kf.swapaxes(-1, -2)) * scale          # [B, S, H, N]
-    z = mx.where(valid[:, :, None, :], z, NEG_INF)
-    top = mx.maximum(mx.max(z, axis=-1, keepdims=True), RUNNING_MAX_FLOOR)
-    p = mx.exp(z - top)
-    denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks[:, None] - top)
-    out = (p.astype(mx.bfloat16).astype(mx.float32) @ kf) / denom
-    return out.astype(mx.bfloat16)
 
 
 class Attention(nn.Module):
@@ -109,8 +98,8 @@ class Attention(nn.Module):
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
         kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), ctx.positions(n_in)))
-        keys, valid = self._window_keys(kv, cache, ctx, n_out)
-        cache.window.write(kv, ctx.end - n_in)
+        window = self._window(kv, cache, ctx, n_out)
+        cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
             self.compress(x, ctx, cache)
         x = x[:, n_in - n_out:]
@@ -118,31 +107,37 @@ class Attention(nn.Module):
         qr = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(qr).reshape(batch, n_out, self.heads, self.head_dim)
         q = self.rope(q, pos)
-        if self.role.ratio > 0 and (rows := self._global_rows(x, qr, ctx)).shape[-1]:
-            owner = ctx.caches[self.role.kv_owner].compressed
-            keys = mx.concatenate([keys, owner.gather(rows)], axis=2)
-            valid = mx.concatenate([valid, rows >= 0], axis=2)
-        out = sparse_attention(q, keys, valid, self.sinks, self.head_dim ** -0.5)
+        packed, rows = self._packed_rows(x, qr, ctx)
+        out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
+                               self.window, use_kernel=ctx.kernels.use,
+                               run=ctx.kernels.sparse_attention)
         out = self.rope(out, pos, inverse=True)
         groups = self.o_a_proj.weight.shape[0]
         out = self.o_a_proj(out.reshape(batch, n_out, groups, -1))
         return self.o_b_proj(out.reshape(batch, n_out, -1))
 
-    def _window_keys(self, kv, cache: LayerCache, ctx: ForwardContext, n_out: int):
-        """Window rows of the last n_out queries: [B, n_out, W, d] and validity [B, n_out, W].
-        Rows before the call come from the ring, unless the call's first rows were skipped
-        (then no query needs them) or the window is truncated (bounded replay)."""
-        n_in = kv.shape[1]
-        first = ctx.end - n_in
+    def _window(self, kv, cache: LayerCache, ctx: ForwardContext, n_out: int) -> mx.array:
+        """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows
+        up to P + s. Rows before the call come from the ring, unless the call's first rows
+        were skipped (then no query needs them) or the window is truncated (bounded replay)."""
+        first = ctx.end - kv.shape[1]
         recent = None
         if first == ctx.start and not ctx.truncate_window:
             recent = cache.window.recent(first)
-        previous = 0 if recent is None else recent.shape[1]
         rows = kv if recent is None else mx.concatenate([recent, kv], axis=1)
-        queries = previous + n_in - n_out + mx.arange(n_out)
-        idx = queries[:, None] - (self.window - 1) + mx.arange(self.window)[None, :]
-        valid = mx.broadcast_to((idx >= 0)[None], (kv.shape[0],) + idx.shape)
-        return rows[:, mx.maximum(idx, 0)], valid
+        return rows[:, max(0, rows.shape[1] - n_out - self.window + 1):]
+
+    def _packed_rows(self, x, qr, ctx: ForwardContext):
+        """The kv owner's packed rows [B, T, bytes] and this layer's selection [B, n, k]."""
+        batch, n = x.shape[:2]
+        if self.role.ratio == 0:
+            return mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8), \
+                mx.zeros((batch, n, 0), mx.int32)
+        owner = ctx.caches[self.role.kv_owner].compressed
+        rows = self._global_rows(x, qr, ctx)
+        packed = owner.packed_rows() if owner.count else \
+            mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8)
+        return packed, rows
 
     def _global_rows(self, x, qr, ctx: ForwardContext) -> mx.array:
         """Selected compressed rows [B, n, k] of the owner's cache for the n query rows."""
@@ -186,4 +181,4 @@ class Attention(nn.Module):
             return
         group_pos = (first + mx.arange(latents.shape[1])) * self.role.ratio
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
-        store.append(self.rope(latents, group_pos), index_rows)
+        store.append(self.rope(latents, group_pos), index_rows, ctx.kernels)

@@ -18,8 +18,10 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .quant import (pack_fp4_e4m3, pack_fp4_e8m0, pack_fp8_e8m0, unpack_fp4_e4m3,
-                    unpack_fp4_e8m0, unpack_fp8_e8m0)
+from .kernels import Kernels
+from .kernels.fp4_pack import fp4_pack
+from .kernels.swa_ring import swa_ring_update
+from .quant import unpack_fp4_e8m0, unpack_fp8_e8m0
 
 GROW_STEP = 256  # rows added when a compressed cache fills
 RING_FACTOR = 2  # ring capacity in windows: the spare half holds rows a rollback may restore
@@ -64,16 +66,15 @@ class WindowRing:
         slots = mx.arange(position - n, position) % self.capacity
         return unpack_fp8_e8m0(self.rows[:, slots])
 
-    def write(self, values: mx.array, position: int) -> None:
-        """Store window KV values (already FP8-rounded) of positions [position, position + S)."""
-        packed = pack_fp8_e8m0(values)
+    def write(self, values: mx.array, position: int, kernels: Optional[Kernels] = None) -> None:
+        """Store window KV values of positions [position, position + S) as FP8 rows."""
         if self.rows is None:
-            self.rows = mx.zeros((packed.shape[0], self.capacity, packed.shape[-1]), mx.uint8)
-        keep = min(packed.shape[1], self.capacity)
-        start = position + packed.shape[1] - keep
-        slots = mx.arange(start, start + keep) % self.capacity
-        self.rows = _put_rows(self.rows, slots, packed[:, -keep:])
-        end = position + packed.shape[1]
+            width = values.shape[-1] + values.shape[-1] // 32
+            self.rows = mx.zeros((values.shape[0], self.capacity, width), mx.uint8)
+        kernels = kernels or Kernels()
+        self.rows = swa_ring_update(self.rows, values, position, use_kernel=kernels.use,
+                                    run=kernels.swa_ring_update)
+        end = position + values.shape[1]
         if position > self.end:  # rows in between were never computed (CED prefill)
             self.valid_from = position
         self.valid_from = max(self.valid_from, end - self.capacity)
@@ -104,12 +105,15 @@ class CompressedKV:
         self.history = history
         self.inputs: Optional[mx.array] = None
 
-    def append(self, kv_values: mx.array, index_values: mx.array) -> None:
+    def append(self, kv_values: mx.array, index_values: mx.array,
+               kernels: Optional[Kernels] = None) -> None:
         """Pack and store new rows (their values are already RoPE'd)."""
         n = kv_values.shape[1]
         if n == 0:
             return
-        kv, ik = pack_fp4_e4m3(kv_values), pack_fp4_e8m0(index_values)
+        k = kernels or Kernels()
+        kv = fp4_pack(kv_values, "kv", use_kernel=k.use, run=k.fp4_pack)
+        ik = fp4_pack(index_values, "index", use_kernel=k.use, run=k.fp4_pack)
         batch = kv.shape[0]
         self.kv = _grow(self.kv, self.count + n, batch, kv.shape[-1], mx.uint8)
         self.index_k = _grow(self.index_k, self.count + n, batch, ik.shape[-1], mx.uint8)
@@ -130,12 +134,9 @@ class CompressedKV:
         self.inputs = _put_rows(self.inputs, mx.arange(start, start + keep) % self.history,
                                 rows[:, -keep:])
 
-    def gather(self, rows: mx.array) -> mx.array:
-        """Decoded main-KV rows for ids [B, S, k] (-1 = empty; decoded as row 0)."""
-        batch, length, k = rows.shape
-        flat = mx.maximum(rows, 0) + (mx.arange(batch) * self.kv.shape[1])[:, None, None]
-        packed = self.kv.reshape(-1, self.kv.shape[-1])[flat]
-        return unpack_fp4_e4m3(packed)
+    def packed_rows(self) -> mx.array:
+        """Packed main-KV rows [B, count, bytes]; attention decodes only what it selects."""
+        return self.kv[:, :self.count]
 
     def index_keys(self, rows: Optional[int] = None) -> mx.array:
         """Decoded index keys of rows [0, rows) (all rows by default)."""

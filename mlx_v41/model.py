@@ -17,6 +17,7 @@ from .config import ModelArgs, TextConfig
 from .engram import Engram
 from .engram_hash import EngramHasher
 from .hyper_connections import HyperConnection, collapse, expand
+from .kernels import Kernels
 from .layer_roles import decoder_start, layer_roles
 from .layers import RMSNorm
 from .moe import MoE
@@ -141,6 +142,7 @@ class Model(nn.Module):
         self.compat_reference_index_k_bug = compat_reference_index_k_bug
         self.prefill_mode = prefill_mode
         self.engram_hasher: Optional[EngramHasher] = None
+        self.kernels = Kernels()  # Metal kernels when available; tests inject the simulator's
         ones = [s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 1]
         self._compat_source = max(ones) if ones else None
 
@@ -192,7 +194,8 @@ class Model(nn.Module):
     def _context(self, cache, start, end, capture) -> ForwardContext:
         return ForwardContext(start=start, end=end, caches=cache,
                               compat_index_k_bug=self.compat_reference_index_k_bug,
-                              compat_index_k_source=self._compat_source, capture=capture)
+                              compat_index_k_source=self._compat_source, capture=capture,
+                              kernels=self.kernels)
 
     def _full(self, ids, cache, last_only, capture) -> mx.array:
         start = cache[0].offset

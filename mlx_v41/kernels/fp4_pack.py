@@ -58,18 +58,22 @@ def _metal_run():
     return build_fp4_pack()
 
 
-def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True) -> mx.array:
+def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True, run=None) -> mx.array:
     """Pack cache rows into FP4 bytes.
 
     Args:
         rows: [..., W] bf16/f16/f32, W a multiple of 16 ("kv") or 32 ("index").
         kind: "kv" (fp4_e4m3: W/2 + W/16 bytes) or "index" (fp4_e8m0: W/2 + W/32 bytes).
         use_kernel: use the Metal kernel when it applies.
+        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+            Metal simulator's in tests.
     Returns:
         uint8 [..., packed row bytes], identical to `fp4_pack_ops`.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    if run is not None:
+        return run(rows, kind)
     if (not use_kernel or not mx.metal.is_available() or rows.dtype not in _FLOAT_DTYPES
             or rows.ndim == 0 or rows.shape[-1] % KINDS[kind][0] or rows.size == 0):
         return fp4_pack_ops(rows, kind)

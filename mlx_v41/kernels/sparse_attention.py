@@ -132,7 +132,7 @@ def _metal_run():
 
 
 def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,
-                     use_kernel: bool = True):
+                     use_kernel: bool = True, run=None):
     """Attention of a chunk's queries over their sliding window and selected compressed rows.
 
     Args:
@@ -145,6 +145,8 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
         scale: score scale (head_dim ** -0.5).
         window_size: sliding-window length.
         use_kernel: use the Metal kernel when it applies.
+        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+            Metal simulator's in tests.
     Returns:
         [B, S, H, d] bf16.
     """
@@ -152,6 +154,8 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
     if packed_kv.shape[-1] != packed_row_bytes(dim) or packed_kv.dtype != mx.uint8:
         raise ValueError(f"packed_kv must be uint8 rows of {packed_row_bytes(dim)} bytes for "
                          f"head_dim {dim}, got {packed_kv.dtype} {packed_kv.shape}")
+    if run is not None:
+        return run(q, window, packed_kv, rows, sinks, scale, window_size)
     if (not use_kernel or not mx.metal.is_available() or q.dtype != mx.bfloat16
             or window.dtype != mx.bfloat16 or dim % 32 or dim > MAX_HEAD_DIM
             or q.size == 0 or window_size < 1):

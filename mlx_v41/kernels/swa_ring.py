@@ -81,7 +81,8 @@ def _metal_run():
     return build_swa_ring_update()
 
 
-def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: bool = True) -> mx.array:
+def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: bool = True,
+                    run=None) -> mx.array:
     """Write a chunk's window rows into the ring, FP8-rounded.
 
     Args:
@@ -92,11 +93,15 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: boo
             last R rows are kept.
         offset: absolute position of rows[:, 0] (>= 0).
         use_kernel: use the Metal kernel when it applies.
+        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+            Metal simulator's in tests.
     Returns:
         The new ring, same shape and dtype; the kept rows' slots hold act_fp8_qdq(rows) or
         pack_fp8_e8m0(rows).
     """
     packed = is_packed_ring(ring, rows.shape[-1])
+    if run is not None:
+        return run(ring, rows, offset)
     if (not use_kernel or not mx.metal.is_available() or rows.shape[1] == 0
             or rows.dtype not in _FLOAT_DTYPES or not (packed or ring.dtype == rows.dtype)
             or rows.shape[-1] % ACT_FP8_BLOCK or offset < 0):

@@ -1,0 +1,138 @@
+"""`mlx_v41.inspect`: the 43-slot schedule, the cache bytes a config implies, and a memory plan.
+
+    mlx_v41.inspect                           # the bundled official config
+    mlx_v41.inspect --model PATH --context 1M --memory 512GB
+
+Bytes per token come from the config (head and index widths, ratios, owner layers) and the
+packed record formats of cache.md §3, not from tabulated constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from mlx.utils import tree_flatten
+
+from .config import ConfigError, ModelArgs, TextConfig, official_config_path
+from .layer_roles import FULL, format_schedule, layer_roles
+
+RING_FACTOR = 2  # must match cache.RING_FACTOR: ring rows per window row
+FP32_BYTES = 4
+
+
+def kv_row_bytes(cfg: TextConfig) -> tuple[int, int]:
+    """Packed main-KV row (E2M1 codes + E4M3 per 16) and index-key row (codes + E8M0 per 32)."""
+    return cfg.head_dim // 2 + cfg.head_dim // 16, cfg.index_head_dim // 2 + \
+        cfg.index_head_dim // 32
+
+
+def global_bytes_per_token(cfg: TextConfig) -> float:
+    """Length-dependent cache bytes per token: each kv owner stores one row pair per group."""
+    main, index = kv_row_bytes(cfg)
+    owners = [r for r in layer_roles(cfg)[:cfg.num_hidden_layers] if r.mode == FULL]
+    return sum((main + index) / r.ratio for r in owners)
+
+
+def fixed_cache_bytes(cfg: TextConfig) -> dict:
+    """Constant per-sequence state: window rings and the ratio-2 compressor-input rings."""
+    ring = RING_FACTOR * cfg.sliding_window
+    window = cfg.num_hidden_layers * ring * (cfg.head_dim + cfg.head_dim // 32)
+    owners = [r for r in layer_roles(cfg)[:cfg.num_hidden_layers] if r.mode == FULL
+              and r.ratio > 1]
+    inputs = len(owners) * ring * 2 * cfg.head_dim * FP32_BYTES
+    return {"window": window, "compressor_inputs": inputs}
+
+
+def weight_bytes(args: ModelArgs) -> tuple[int, int]:
+    """(resident weights, memory-mapped Engram tables) of the model as this package holds it."""
+    from .model import Model
+
+    model = Model(args)  # parameters stay lazy: nothing is allocated
+    resident = tables = 0
+    for name, value in tree_flatten(model.parameters()):
+        if ".engram.embed." in name:
+            tables += value.nbytes
+        else:
+            resident += value.nbytes
+    return resident, tables
+
+
+def parse_count(text: str) -> int:
+    """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096 (token counts are binary)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 64K, 1M)")
+    scale = {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_bytes(text: str) -> int:
+    """'512GB' -> 512e9, '192GiB' -> 192 * 2^30, '1TB' -> 1e12."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB])\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 512GB, 192GiB)")
+    unit = m.group(2).lower()
+    power = "kmgt".index(unit[0]) + 1
+    base = 1024 if "i" in unit else 1000
+    return int(float(m.group(1)) * base ** power)
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def report(args: ModelArgs, context: int, memory: int | None) -> str:
+    cfg = args.text_config
+    per_token = global_bytes_per_token(cfg)
+    fixed = fixed_cache_bytes(cfg)
+    main, index = kv_row_bytes(cfg)
+    lines = [format_schedule(layer_roles(cfg)), "",
+             f"global KV: {per_token:g} bytes/token (main-KV row {main} B + index-key row "
+             f"{index} B per group of each kv owner)",
+             f"window rings: {_fmt(fixed['window'])} constant ({cfg.num_hidden_layers} layers x "
+             f"{RING_FACTOR * cfg.sliding_window} rows x {cfg.head_dim + cfg.head_dim // 32} B)",
+             f"compressor input rings: {_fmt(fixed['compressor_inputs'])} constant"]
+    session = per_token * context + sum(fixed.values())
+    lines.append(f"one session at {context:,} tokens: {_fmt(session)}")
+    if memory is not None:
+        resident, tables = weight_bytes(args)
+        free = memory - resident
+        fits = int(free // session) if free > 0 else 0
+        lines += [f"weights resident: {_fmt(resident)}; Engram tables memory-mapped: "
+                  f"{_fmt(tables)}",
+                  f"memory {_fmt(memory)}: {fits} such session(s) fit beside the weights"
+                  + ("" if free > 0 else " (the weights alone do not fit)")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mlx_v41.inspect", description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="model folder (reads its config.json)")
+    source.add_argument("--config", help="a config.json file")
+    parser.add_argument("--context", type=parse_count, default=parse_count("1M"),
+                        help="context length for the memory plan (default 1M)")
+    parser.add_argument("--memory", type=parse_bytes, default=None,
+                        help="machine memory, e.g. 512GB: how many sessions fit")
+    ns = parser.parse_args(argv)
+    path = official_config_path()
+    if ns.model:
+        path = f"{ns.model}/config.json"
+    elif ns.config:
+        path = ns.config
+    try:
+        args = ModelArgs.from_file(path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(args, ns.context, ns.memory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

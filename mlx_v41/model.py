@@ -5,7 +5,7 @@ before its layers), final collapse with the last block's FFN-side mix, RMSNorm a
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -127,6 +127,20 @@ class TextModel(nn.Module):
 PREFILL_MODES = ("ced", "full", "ced_replay")
 
 
+class _Progress:
+    """Evaluates each chunk's result and reports the running token count, when asked to."""
+
+    def __init__(self, callback, total: int):
+        self.callback, self.total, self.done = callback, total, 0
+
+    def __call__(self, value: mx.array, chunk: mx.array) -> mx.array:
+        if self.callback is not None:
+            mx.eval(value)
+            self.done += chunk.shape[1]
+            self.callback(self.done, self.total)
+        return value
+
+
 class Model(nn.Module):
     """`logits = model(ids, cache=cache)`: ids int [B, S], logits float32 [B, S, vocab]."""
 
@@ -170,10 +184,12 @@ class Model(nn.Module):
         return self.prefill(ids, cache, step_size=None, last_only=last_only, capture=capture)
 
     def prefill(self, ids, cache: Optional[list] = None, step_size: Optional[int] = None,
-                last_only: bool = True, capture: Optional[dict] = None) -> mx.array:
+                last_only: bool = True, capture: Optional[dict] = None,
+                progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
         """Run `ids` [B, S] in chunks of `step_size` rows (the encoder; the CED decoder halo
         runs once at the end); returns the last position's logits [B, 1, vocab] (or every
-        position's with `last_only=False`, which runs every chunk fully)."""
+        position's with `last_only=False`, which runs every chunk fully). `progress(done,
+        total)` is called after each evaluated chunk."""
         ids = ids if isinstance(ids, mx.array) else mx.array(ids)
         ids = (ids[None] if ids.ndim == 1 else ids).astype(mx.int32)
         cache = self.make_cache() if cache is None else cache
@@ -186,10 +202,12 @@ class Model(nn.Module):
         mode = self.prefill_mode if last_only else "full"
         if mode != "full" and any(e >= self.model.decoder_start for e in self.cfg.engram_layer_ids):
             mode = "full"
+        report = _Progress(progress, ids.shape[1])
         if mode == "full":
-            outs = [self._full(chunk, cache, last_only, capture) for chunk in chunks]
+            outs = [report(self._full(chunk, cache, last_only, capture), chunk)
+                    for chunk in chunks]
             return outs[-1] if last_only else mx.concatenate(outs, axis=1)
-        return self._ced(chunks, cache, mode, capture)
+        return self._ced(chunks, cache, mode, capture, report)
 
     def _context(self, cache, start, end, capture) -> ForwardContext:
         return ForwardContext(start=start, end=end, caches=cache,
@@ -206,7 +224,7 @@ class Model(nn.Module):
         self._advance(cache, ctx.end)
         return self._logits(hidden, last_only)
 
-    def _ced(self, chunks, cache, mode, capture) -> mx.array:
+    def _ced(self, chunks, cache, mode, capture, report) -> mx.array:
         """Encoder (and the first decoder layer's global KV) chunk by chunk, then the decoder
         over the halo rows of the whole call (cache.md §4; §5 for `ced_replay`)."""
         start = cache[0].offset
@@ -219,7 +237,7 @@ class Model(nn.Module):
             ctx = self._context(cache, chunk_start, chunk_start + chunk.shape[1], capture)
             ctx.engram_rows = self._engram_rows(chunk, cache)
             streams, pre = self.model.encode(chunk, ctx, full=False)
-            kept_streams.append(streams[:, -keep:])
+            kept_streams.append(report(streams[:, -keep:], chunk))
             kept_pre.append(pre[:, -keep:])
             for c in cache[:self.model.decoder_start + 1]:
                 c.offset = ctx.end

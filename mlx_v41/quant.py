@@ -40,13 +40,6 @@ def _pow2(e: mx.array) -> mx.array:
     return mx.view(bits, mx.float32)
 
 
-def _ceil_log2(t: mx.array) -> mx.array:
-    """ceil(log2 t) for normal positive fp32 t, from the exponent and mantissa bits."""
-    bits = _bits(t)
-    exponent = (bits >> _F32_MANT_BITS).astype(mx.int32) - 127
-    return exponent + ((bits & 0x7FFFFF) != 0).astype(mx.int32)
-
-
 def _groups(x: mx.array, size: int) -> mx.array:
     *lead, k = x.shape
     if k % size:
@@ -57,57 +50,44 @@ def _groups(x: mx.array, size: int) -> mx.array:
 # ---------------------------------------------------------------- element formats
 
 def e4m3_to_float(codes: mx.array) -> mx.array:
-    """Decode E4M3FN bytes.
-
-    Args:
-        codes: uint8 array of any shape.
-    Returns:
-        float32 array; 0x7F / 0xFF decode to NaN.
-    """
-    c = codes.astype(mx.int32)
-    exponent = (c >> 3) & 0xF
-    mantissa = c & 0x7
-    # Subnormals (E = 0) share the exponent of E = 1 without the implicit leading one.
-    significand = mx.where(exponent == 0, mantissa, mantissa + 8).astype(mx.float32)
-    value = significand * _pow2(mx.maximum(exponent, 1) - 10)
-    value = mx.where((c & 0x7F) == FP8_NAN_CODE, mx.array(float("nan")), value)
-    return mx.where(c >= 0x80, -value, value)
+    """Decode E4M3FN bytes (any shape) to float32; 0x7F / 0xFF decode to NaN."""
+    return mx.from_fp8(codes.astype(mx.uint8), mx.float32)
 
 
 def float_to_e4m3(x: mx.array) -> mx.array:
     """Encode to E4M3FN: clamp to +-448, then round to nearest, ties to even (saturating).
 
-    Args:
-        x: float array of any shape (computed in fp32).
-    Returns:
-        uint8 codes; -0 and negatives that round to zero keep the sign bit; NaN -> 0x7F.
+    MLX's `to_fp8` is this rounding (tests/test_quant.py checks every bf16 value and every
+    midpoint against an independent encoder); -0 and negatives that round to zero keep the sign
+    bit; NaN -> 0x7F.
     """
     x = x.astype(mx.float32)
-    sign = ((_bits(x) >> 31) << 7).astype(mx.uint8)
-    a = mx.minimum(mx.abs(x), FP8_E4M3_MAX)
-    abits = _bits(a)
-    # Normal range: RNE of the fp32 mantissa to 3 bits; a carry rolls into the exponent.
-    rounded = (abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20
-    normal = rounded.astype(mx.int32) - ((127 - 7) << 3)
-    # Below 2^-6 the grid is uniform with step 2^-9; code = multiple of the step (8 -> 2^-6).
-    subnormal = mx.round(a * 2.0**9).astype(mx.int32)
-    code = mx.where(a < 2.0**-6, subnormal, normal)
-    code = mx.where(mx.isnan(x), FP8_NAN_CODE, code).astype(mx.uint8)
-    return code | sign
+    code = mx.to_fp8(mx.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX))
+    return mx.where(mx.isnan(x), mx.array(FP8_NAN_CODE, mx.uint8), code)
 
 
 def _round_e4m3(x: mx.array) -> mx.array:
-    """fp32 values rounded onto the E4M3 grid (saturating RNE), without forming codes.
+    """fp32 values rounded onto the E4M3 grid (saturating RNE), for non-NaN x (the QDQ path)."""
+    return mx.from_fp8(mx.to_fp8(mx.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX)), mx.float32)
 
-    Same result as e4m3_to_float(float_to_e4m3(x)) for non-NaN x, in fewer ops (the QDQ path).
+
+def _round_e2m1(v: mx.array) -> mx.array:
+    """fp32 values in [-6, 6] rounded onto the E2M1 grid with the even-code tie rule.
+
+    Below 1 the grid is {0, 0.5, 1}: RNE of 2v. From 1 up it is a float with one mantissa
+    bit, and ties to the even code are ties to the even mantissa: RNE of the fp32 mantissa to
+    one bit (1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, as numerics.md §2.3).
     """
-    x = x.astype(mx.float32)
-    a = mx.minimum(mx.abs(x), FP8_E4M3_MAX)
-    abits = _bits(a)
-    normal = mx.view((abits + 0x7FFFF + ((abits >> 20) & 1)) & 0xFFF00000, mx.float32)
-    subnormal = mx.round(a * 2.0**9) * 2.0**-9
-    magnitude = mx.where(a < 2.0**-6, subnormal, normal)
-    return mx.where((_bits(x) >> 31) != 0, -magnitude, magnitude)
+    a = mx.abs(v)
+    bits = _bits(a)
+    high = mx.view((bits + 0x1FFFFF + ((bits >> 22) & 1)) & 0xFFC00000, mx.float32)
+    magnitude = mx.where(a < 1.0, mx.round(a * 2.0) * 0.5, high)
+    return mx.where((_bits(v) >> 31) != 0, -magnitude, magnitude)
+
+
+def _pow2_ceil(t: mx.array) -> mx.array:
+    """2^ceil(log2 t) for normal positive fp32 t: carry a non-zero mantissa into the exponent."""
+    return mx.view((_bits(t) + 0x7FFFFF) & 0xFF800000, mx.float32)
 
 
 def e2m1_to_float(codes: mx.array) -> mx.array:
@@ -160,13 +140,18 @@ def unpack_nibbles(packed: mx.array) -> mx.array:
 # ---------------------------------------------------------------- fake-quant functions
 
 def _act_fp8_parts(x: mx.array):
-    """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and the exponent of s."""
+    """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and s = 2^e."""
     g = _groups(x, ACT_FP8_BLOCK).astype(mx.float32)
     amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), ACT_FP8_AMAX_FLOOR)
     # Multiply by the fp32 reciprocal as the reference does (for 1/448 and 1/6 provably the
     # same ceil as a division, but the reciprocal is the reference's operation).
-    e = _ceil_log2(amax * mx.array(1.0 / FP8_E4M3_MAX, dtype=mx.float32))
-    return g / _pow2(e), e
+    scale = _pow2_ceil(amax * mx.array(1.0 / FP8_E4M3_MAX, dtype=mx.float32))
+    return g / scale, scale
+
+
+def _exponent_byte(scale: mx.array) -> mx.array:
+    """E8M0 byte of a power-of-two fp32 scale."""
+    return (_bits(scale[..., 0]) >> _F32_MANT_BITS).astype(mx.uint8)
 
 
 def act_fp8_quantize(x: mx.array):
@@ -177,45 +162,44 @@ def act_fp8_quantize(x: mx.array):
     Returns:
         (codes uint8 [..., K] E4M3FN, scale_bytes uint8 [..., K/32] E8M0).
     """
-    scaled, e = _act_fp8_parts(x)
-    codes = float_to_e4m3(scaled).reshape(x.shape)
-    return codes, (e[..., 0] + E8M0_BIAS).astype(mx.uint8)
+    scaled, scale = _act_fp8_parts(x)
+    return mx.to_fp8(scaled).reshape(x.shape), _exponent_byte(scale)
 
 
 def act_fp8_qdq(x: mx.array) -> mx.array:
     """act_fp8 quantise-dequantise: E4M3(x / s) * s with s a power of two; returns x.dtype."""
-    scaled, e = _act_fp8_parts(x)
-    return (_round_e4m3(scaled) * _pow2(e)).reshape(x.shape).astype(x.dtype)
+    scaled, scale = _act_fp8_parts(x)
+    values = mx.from_fp8(mx.to_fp8(scaled), mx.float32) * scale
+    return values.reshape(x.shape).astype(x.dtype)
 
 
 def _fp4_e8m0_parts(x: mx.array):
+    """fp4_e8m0 on groups [..., G, 32]: clamp(x / s) (not yet rounded) and s = 2^e."""
     g = _groups(x, FP4_E8M0_BLOCK).astype(mx.float32)
     amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), FP4_E8M0_AMAX_FLOOR)
-    e = _ceil_log2(amax * mx.array(1.0 / FP4_E2M1_MAX, dtype=mx.float32))  # as in act_fp8
-    codes = float_to_e2m1(mx.clip(g / _pow2(e), -FP4_E2M1_MAX, FP4_E2M1_MAX))
-    return codes, e
+    scale = _pow2_ceil(amax * mx.array(1.0 / FP4_E2M1_MAX, dtype=mx.float32))  # as in act_fp8
+    return mx.clip(g / scale, -FP4_E2M1_MAX, FP4_E2M1_MAX), scale
 
 
 def fp4_e8m0_qdq(x: mx.array) -> mx.array:
     """FP4 E2M1 with power-of-two scale per 32 (numerics.md §3.2, index q/k); returns x.dtype."""
-    codes, e = _fp4_e8m0_parts(x)
-    return (e2m1_to_float(codes) * _pow2(e)).reshape(x.shape).astype(x.dtype)
+    scaled, scale = _fp4_e8m0_parts(x)
+    return (_round_e2m1(scaled) * scale).reshape(x.shape).astype(x.dtype)
 
 
 def _fp4_e4m3_parts(x: mx.array):
+    """fp4_e4m3 on groups [..., G, 16]: clamp(x / s) (not yet rounded) and the E4M3 scale."""
     g = _groups(x, FP4_E4M3_BLOCK).astype(mx.float32)
     amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), FP4_E4M3_AMAX_FLOOR)
-    scale_code = float_to_e4m3(amax / FP4_E2M1_MAX)
-    scale = e4m3_to_float(scale_code)
+    scale = _round_e4m3(amax / FP4_E2M1_MAX)
     # True division: the scale is not a power of two, and it may have rounded below amax / 6.
-    codes = float_to_e2m1(mx.clip(g / scale, -FP4_E2M1_MAX, FP4_E2M1_MAX))
-    return codes, scale_code, scale
+    return mx.clip(g / scale, -FP4_E2M1_MAX, FP4_E2M1_MAX), scale
 
 
 def fp4_e4m3_qdq(x: mx.array) -> mx.array:
-    """FP4 E2M1 with E4M3 scale per 16 (numerics.md §3.3, main KV); returns x.dtype."""
-    codes, _, scale = _fp4_e4m3_parts(x)
-    return (e2m1_to_float(codes) * scale).reshape(x.shape).astype(x.dtype)
+    """FP4 E2M1 with an E4M3 scale per 16 (numerics.md §3.3, compressed KV); returns x.dtype."""
+    scaled, scale = _fp4_e4m3_parts(x)
+    return (_round_e2m1(scaled) * scale).reshape(x.shape).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- packed cache rows
@@ -233,9 +217,9 @@ def _row_width(nbytes: int, num: int, den: int, name: str) -> int:
 
 def pack_fp4_e4m3(x: mx.array) -> mx.array:
     """Encode with fp4_e4m3 into packed rows: [..., K] -> uint8 [..., K/2 + K/16]."""
-    codes, scale_code, _ = _fp4_e4m3_parts(x)
-    codes = pack_nibbles(codes.reshape(x.shape))
-    return mx.concatenate([codes, scale_code[..., 0]], axis=-1)
+    scaled, scale = _fp4_e4m3_parts(x)
+    codes = pack_nibbles(float_to_e2m1(scaled).reshape(x.shape))
+    return mx.concatenate([codes, mx.to_fp8(scale[..., 0])], axis=-1)
 
 
 def unpack_fp4_e4m3(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
@@ -249,9 +233,9 @@ def unpack_fp4_e4m3(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
 
 def pack_fp4_e8m0(x: mx.array) -> mx.array:
     """Encode with fp4_e8m0 into packed rows: [..., K] -> uint8 [..., K/2 + K/32]."""
-    codes, e = _fp4_e8m0_parts(x)
-    codes = pack_nibbles(codes.reshape(x.shape))
-    return mx.concatenate([codes, (e[..., 0] + E8M0_BIAS).astype(mx.uint8)], axis=-1)
+    scaled, scale = _fp4_e8m0_parts(x)
+    codes = pack_nibbles(float_to_e2m1(scaled).reshape(x.shape))
+    return mx.concatenate([codes, _exponent_byte(scale)], axis=-1)
 
 
 def unpack_fp4_e8m0(packed: mx.array, dtype=mx.bfloat16) -> mx.array:

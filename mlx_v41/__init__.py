@@ -1,10 +1,13 @@
 """mlx_v41: DeepSeek V4.1 Flash in MLX.
 
 Public API: `load_model(path)` -> Model; `model.make_cache()`; `model(ids, cache=cache)`.
+Generation (mlx-lm's conventions): `load(path_or_repo)` -> (model, tokenizer); `generate`,
+`stream_generate`.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .cache import CacheError, cache_bytes, trim_cache
@@ -13,6 +16,27 @@ from .prompt_cache import copy_cache, load_prompt_cache, save_prompt_cache
 from .safetensors_io import CheckpointError
 
 __version__ = "0.1.0"
+
+
+class _CheckoutConverter:
+    """Import finder for a source checkout that is not installed: the converter lives in
+    ../convert (installed as mlx_v41.convert), so map that name to it. Consulted only after
+    the normal finders fail, so an installed package always wins."""
+
+    folder = Path(__file__).resolve().parent.parent / "convert"
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname != f"{__name__}.convert" or not (cls.folder / "__init__.py").is_file():
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_file_location(
+            fullname, cls.folder / "__init__.py", submodule_search_locations=[str(cls.folder)])
+
+
+if not any(f is _CheckoutConverter for f in sys.meta_path):
+    sys.meta_path.append(_CheckoutConverter)
 
 
 def _token_map(folder: Path, cfg):
@@ -36,10 +60,12 @@ def _token_map(folder: Path, cfg):
 
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced"):
-    """Load a model folder in the published Hugging Face layout.
+    """Load a model folder: the published Hugging Face layout, or one written by
+    `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
     Args:
-        path: folder with config.json, model.safetensors.index.json and the shards.
+        path: folder with config.json, model.safetensors.index.json and the shards (published
+            layout), or a converted folder (it holds mlx_v41_convert.json).
         compat_reference_index_k_bug: reproduce the reference's decode-time index-key defect
             (spec deviations.md D1); only for parity tests against the reference.
         prefill_mode: "ced" (default: exact encoder-only prefill with the decoder halo),
@@ -48,6 +74,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     Returns:
         The `Model`, weights loaded and evaluated.
     """
+    from .converted import is_converted, load_converted
     from .engram_hash import EngramHasher
     from .loader import load_weights
     from .model import Model
@@ -58,12 +85,27 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     args = ModelArgs.from_file(folder / "config.json")
     model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
                   prefill_mode=prefill_mode)
-    load_weights(model, folder)
+    token_map = None
+    if is_converted(folder):
+        token_map = load_converted(model, folder)
+    else:
+        load_weights(model, folder)
     if args.text_config.engram_layer_ids:
-        model.engram_hasher = EngramHasher.from_config(
-            args.text_config, _token_map(folder, args.text_config))
+        if token_map is None:
+            token_map = _token_map(folder, args.text_config)
+        model.engram_hasher = EngramHasher.from_config(args.text_config, token_map)
     return model
 
 
-__all__ = ["load_model", "ModelArgs", "ConfigError", "CheckpointError", "CacheError",
+import warnings  # noqa: E402
+
+# `mlx_v41.generate` names both the function (exported below, as in mlx-lm) and its module, so
+# `python -m mlx_v41.generate` finds the module already imported; runpy's warning about that is
+# harmless here.
+warnings.filterwarnings("ignore", category=RuntimeWarning,
+                        message=r"'mlx_v41\.generate' found in sys\.modules")
+from .generate import generate, load, stream_generate  # noqa: E402
+
+__all__ = ["load", "generate", "stream_generate",
+           "load_model", "ModelArgs", "ConfigError", "CheckpointError", "CacheError",
            "cache_bytes", "trim_cache", "save_prompt_cache", "load_prompt_cache", "copy_cache"]

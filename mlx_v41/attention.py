@@ -16,11 +16,11 @@ from .compressor import Compressor
 from .config import TextConfig
 from .indexer import NEG_INF, Indexer, candidate_pool, top_rows, visible_rows
 from .layer_roles import FULL, LayerRole
-from .layers import QuantLinear, RMSNorm
+from .layers import QuantLinear, RMSNorm, allocate_quantized
 from .kernels import Kernels
 from .kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq
-from .rope import RoPE
+from .rope import shared_rope
 
 @dataclass
 class ForwardContext:
@@ -51,18 +51,18 @@ class ForwardContext:
 class GroupedLinear(nn.Module):
     """Block-diagonal `wo_a`: group g maps its heads' outputs through its own packed weight."""
 
-    def __init__(self, groups: int, input_dims: int, output_dims: int):
+    def __init__(self, groups: int, input_dims: int, output_dims: int, mode: str = "mxfp8",
+                 bits: int = 8, group_size: int = 32):
         super().__init__()
-        self.weight = mx.zeros((groups, output_dims, input_dims // 4), dtype=mx.uint32)
-        self.scales = mx.zeros((groups, output_dims, input_dims // 32), dtype=mx.uint8)
+        allocate_quantized(self, (groups,), output_dims, input_dims, mode, bits, group_size)
 
     def __call__(self, x: mx.array) -> mx.array:
         """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
         groups = self.weight.shape[0]
         ids = mx.broadcast_to(mx.arange(groups), x.shape[:-1])
         out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales,
-                            rhs_indices=ids, transpose=True, group_size=32, bits=8,
-                            mode="mxfp8")
+                            self.get("biases"), rhs_indices=ids, transpose=True,
+                            group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.squeeze(-2).astype(mx.bfloat16)
 
 
@@ -84,9 +84,10 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg.hidden_size, cfg.q_lora_rank, d, cfg.index_n_heads,
                                    cfg.index_head_dim, role.owns_index_k, eps)
         if role.ratio > 0:
-            self.rope = RoPE(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+            scaling = tuple(sorted(cfg.rope_scaling.items()))
+            self.rope = shared_rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, scaling)
         else:
-            self.rope = RoPE(cfg.qk_rope_head_dim, cfg.rope_theta)
+            self.rope = shared_rope(cfg.qk_rope_head_dim, cfg.rope_theta)
         self.role, self.heads, self.head_dim = role, h, d
         self.window, self.topk = cfg.sliding_window, cfg.index_topk
         self.pool_blocks, self.pool_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
@@ -97,13 +98,13 @@ class Attention(nn.Module):
         rows get window KV; only the last `n_out` rows (default all) are queries."""
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
-        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), ctx.positions(n_in)))
+        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), ctx.end - n_in))
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
             self.compress(x, ctx, cache)
         x = x[:, n_in - n_out:]
-        pos = ctx.positions(n_out)
+        pos = ctx.end - n_out
         qr = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(qr).reshape(batch, n_out, self.heads, self.head_dim)
         q = self.rope(q, pos)
@@ -149,8 +150,9 @@ class Attention(nn.Module):
         if total == 0:
             rows = mx.zeros((x.shape[0], n, 0), dtype=mx.int32)
         else:
+            scores = self.indexer.scores(x, qr, ctx.end - n, self.rope,
+                                         self._index_keys(ctx, owner))
             pos = ctx.positions(n)
-            scores = self.indexer.scores(x, qr, pos, self.rope, self._index_keys(ctx, owner))
             scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
             if role.is_candidate_source:
                 ctx.pool = candidate_pool(scores, pos, role.ratio, self.pool_blocks,

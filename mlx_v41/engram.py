@@ -1,31 +1,118 @@
 """Engram: hashed n-gram memory added into all residual copies before its layers (spec
-engram.md §5). Table rows stay FP8 with one E8M0 scale per 32 values and are dequantised only
-for the rows a token looks up; a gate per copy decides how much of the shared value to add.
+engram.md §5). Table rows stay FP8 with one E8M0 scale per 32 values, memory-mapped from disk
+(spec engram.md §8), and are read and dequantised only for the rows a token looks up; a gate
+per copy decides how much of the shared value to add.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .layers import QuantLinear
 from .quant import e4m3_to_float, e8m0_to_float
+from .safetensors_io import CheckpointError
 
 GATE_FLOOR = 1e-6  # clamp on |dot| before the signed square root
+ROW_GROUP = 32  # values per E8M0 scale within a row
+
+
+class EngramRows:
+    """A table on disk, never copied into memory: consecutive parts of rows, each a pair of
+    read-only numpy views into memory-mapped files, E4M3 codes `[r, dim]` and E8M0 scales
+    `[r, dim / 32]` (two tensors of a published shard, or two column ranges of the
+    converter's packed rows). A lookup reads only the pages of the rows it asks for."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [codes.shape[0] for codes, _ in parts])
+        self.rows = int(self.starts[-1])
+        self.head_dim = parts[0][0].shape[1]
+        self.nbytes = sum(codes.nbytes + scales.nbytes for codes, scales in parts)
+
+    @classmethod
+    def from_regions(cls, regions: list) -> "EngramRows":
+        """regions: per part ((path, byte offset, [r, dim]) of the codes, (...) of the scales)."""
+        maps, parts = {}, []
+        for region in regions:
+            views = []
+            for path, offset, shape in region:
+                if path not in maps:
+                    maps[path] = map_file(path)
+                count = int(np.prod(shape))
+                views.append(np.frombuffer(maps[path], np.uint8, count, offset).reshape(shape))
+            parts.append(tuple(views))
+        return cls(parts)
+
+    @classmethod
+    def from_packed(cls, files: list) -> "EngramRows":
+        """files: (path, byte offset, rows, dim) of packed rows, `dim` codes then `dim / 32`
+        scales per row (the converter's layout)."""
+        parts = []
+        for path, offset, rows, dim in files:
+            width = dim + dim // ROW_GROUP
+            packed = np.frombuffer(map_file(path), np.uint8, rows * width, offset)
+            packed = packed.reshape(rows, width)
+            parts.append((packed[:, :dim], packed[:, dim:]))
+        return cls(parts)
+
+    def gather(self, ids: np.ndarray) -> tuple:
+        """ids [...] -> (codes [..., dim], scales [..., dim / 32]) uint8, rows read on demand."""
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.rows):
+            raise IndexError(f"Engram row id outside 0..{self.rows - 1}")
+        if len(self.parts) == 1:
+            codes, scales = self.parts[0][0][flat], self.parts[0][1][flat]
+        else:
+            codes = np.empty((flat.size, self.head_dim), np.uint8)
+            scales = np.empty((flat.size, self.head_dim // ROW_GROUP), np.uint8)
+            which = np.searchsorted(self.starts, flat, side="right") - 1
+            for p in np.unique(which):
+                hit = which == p
+                local = flat[hit] - self.starts[p]
+                codes[hit], scales[hit] = self.parts[p][0][local], self.parts[p][1][local]
+        shape = tuple(np.shape(ids))
+        return codes.reshape(*shape, -1), scales.reshape(*shape, -1)
+
+
+def map_file(path) -> mmap.mmap:
+    """Read-only map of a whole file, advised for random access (no readahead per row)."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
 
 
 class EngramTable(nn.Module):
-    """FP8 E4M3 rows `[rows, head_dim]` with E8M0 scales `[rows, head_dim / 32]`."""
+    """FP8 E4M3 rows `[rows, head_dim]` with E8M0 scales `[rows, head_dim / 32]`, held on disk
+    (`EngramRows`, attached by the loader) rather than as parameters."""
 
     def __init__(self, rows: int, head_dim: int):
         super().__init__()
-        self.weight = mx.zeros((rows, head_dim), dtype=mx.uint8)
-        self.scales = mx.zeros((rows, head_dim // 32), dtype=mx.uint8)
+        self.rows, self.head_dim = rows, head_dim
+        self.storage = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * (self.head_dim + self.head_dim // ROW_GROUP)
+
+    def attach(self, storage: EngramRows) -> None:
+        if (storage.rows, storage.head_dim) != (self.rows, self.head_dim):
+            raise CheckpointError(f"Engram table has {storage.rows} rows of {storage.head_dim},"
+                                  f" expected {self.rows} rows of {self.head_dim}")
+        self.storage = storage
 
     def __call__(self, ids: mx.array) -> mx.array:
         """ids [...] -> dequantised rows [..., head_dim] bf16."""
-        values = e4m3_to_float(self.weight[ids])
-        scales = e8m0_to_float(self.scales[ids])
+        if self.storage is None:
+            raise RuntimeError("Engram table not loaded; use mlx_v41.load_model(path)")
+        codes, scale_bytes = self.storage.gather(np.array(ids))
+        values = e4m3_to_float(mx.array(codes))
+        scales = e8m0_to_float(mx.array(scale_bytes))
         values = values.reshape(*values.shape[:-1], scales.shape[-1], -1) * scales[..., None]
         return values.reshape(*ids.shape, -1).astype(mx.bfloat16)
 

@@ -49,13 +49,11 @@ def weight_bytes(args: ModelArgs) -> tuple[int, int]:
     """(resident weights, memory-mapped Engram tables) of the model as this package holds it."""
     from .model import Model
 
+    from .engram import EngramTable
+
     model = Model(args)  # parameters stay lazy: nothing is allocated
-    resident = tables = 0
-    for name, value in tree_flatten(model.parameters()):
-        if ".engram.embed." in name:
-            tables += value.nbytes
-        else:
-            resident += value.nbytes
+    resident = sum(value.nbytes for _, value in tree_flatten(model.parameters()))
+    tables = sum(m.nbytes for _, m in model.named_modules() if isinstance(m, EngramTable))
     return resident, tables
 
 

@@ -17,13 +17,13 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dims: int, eps: float):
         super().__init__()
-        self.weight = mx.ones((dims,), dtype=mx.bfloat16)
+        self.weight = mx.ones((dims,), dtype=mx.float32)  # bf16 values, promoted at load
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
         xf = x.astype(mx.float32)
         normed = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight.astype(mx.float32) * normed).astype(mx.bfloat16)
+        return (self.weight * normed).astype(mx.bfloat16)
 
 
 class QuantLinear(nn.Module):
@@ -32,33 +32,90 @@ class QuantLinear(nn.Module):
     def __init__(self, input_dims: int, output_dims: int, mode: str = "mxfp8", bits: int = 8,
                  group_size: int = 32, quantize_input: bool = True):
         super().__init__()
-        self.weight = mx.zeros((output_dims, input_dims * bits // 32), dtype=mx.uint32)
-        self.scales = mx.zeros((output_dims, input_dims // group_size), dtype=mx.uint8)
-        if mode == "affine":
-            self.scales = self.scales.astype(mx.bfloat16)
-            self.biases = mx.zeros_like(self.scales)
-        self.mode, self.bits, self.group_size = mode, bits, group_size
+        allocate_quantized(self, (), output_dims, input_dims, mode, bits, group_size)
         self.quantize_input = quantize_input
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quantize_input:
-            x = act_fp8_qdq(x)
-        # fp32 input: MLX's CPU quantized matmul accumulates bf16 inputs in bf16.
+        # fp32 input: MLX's CPU quantized matmul accumulates bf16 inputs in bf16. The FP8
+        # values are exact in both, so the rounding goes straight to fp32.
+        x = act_fp8_qdq(x, mx.float32) if self.quantize_input else x.astype(mx.float32)
         out = mx.quantized_matmul(
-            x.astype(mx.float32), self.weight, self.scales, self.get("biases"), transpose=True,
+            x, self.weight, self.scales, self.get("biases"), transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.astype(mx.bfloat16)
 
 
 class Linear(nn.Module):
-    """Unquantized linear; `fp32=True` promotes input and weight (router, ratio-2 compressor)."""
+    """Unquantized linear; `fp32=True` computes in fp32 (ratio-2 compressor) with the weight
+    held in fp32 (the checkpoint's bf16 values, promoted once at load)."""
 
     def __init__(self, input_dims: int, output_dims: int, fp32: bool = False):
         super().__init__()
-        self.weight = mx.zeros((output_dims, input_dims), dtype=mx.bfloat16)
+        dtype = mx.float32 if fp32 else mx.bfloat16
+        self.weight = mx.zeros((output_dims, input_dims), dtype=dtype)
         self.fp32 = fp32
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.fp32:
-            return x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+            return x.astype(mx.float32) @ self.weight.T
         return x @ self.weight.T
+
+
+# ---------------------------------------------------------------- quantized layouts
+
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")  # mx.quantize modes
+
+
+def allocate_quantized(module: nn.Module, lead: tuple, output_dims: int, input_dims: int,
+                       mode: str, bits: int, group_size: int) -> None:
+    """Zero packed parameters `weight [*lead, N, K*bits/32]` uint32 and `scales
+    [*lead, N, K/group]` (uint8 for the mx/nv float modes; bf16 scales and biases for affine)."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantization mode {mode!r} is not one of {QUANT_MODES}")
+    if input_dims % group_size or (input_dims * bits) % 32:
+        raise ValueError(f"input width {input_dims} does not fit group size {group_size} at "
+                         f"{bits} bits")
+    module.weight = mx.zeros((*lead, output_dims, input_dims * bits // 32), dtype=mx.uint32)
+    scale_dtype = mx.bfloat16 if mode == "affine" else mx.uint8
+    module.scales = mx.zeros((*lead, output_dims, input_dims // group_size), dtype=scale_dtype)
+    if mode == "affine":
+        module.biases = mx.zeros_like(module.scales)
+    elif "biases" in module:
+        del module["biases"]
+    module.mode, module.bits, module.group_size = mode, bits, group_size
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """QuantLinear, SwitchLinear, GroupedLinear: packed weights with a mode/bits/group_size."""
+    return getattr(module, "mode", None) in QUANT_MODES and "scales" in module
+
+
+def input_dims(module: nn.Module) -> int:
+    """Logical input width K of a quantized module."""
+    return module.weight.shape[-1] * 32 // module.bits
+
+
+def quantization_for(quantization: dict, path: str) -> dict:
+    """The {group_size, bits, mode} that an mlx-lm `quantization` block gives module `path`:
+    its per-path entry if any, else the top-level values (mode defaults to affine)."""
+    entry = quantization.get(path)
+    source = entry if isinstance(entry, dict) else quantization
+    try:
+        return {"group_size": int(source["group_size"]), "bits": int(source["bits"]),
+                "mode": source.get("mode", "affine")}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"quantization entry for {path} needs group_size and bits") from None
+
+
+def configure_quantization(model: nn.Module, quantization: dict) -> None:
+    """Lay out every quantized module of `model` as a `quantization` block says (zeroed
+    parameters of the new shapes, to be loaded); modules already in that layout are kept."""
+    for path, module in model.named_modules():
+        if not is_quantized(module):
+            continue
+        q = quantization_for(quantization, path)
+        if (q["mode"], q["bits"], q["group_size"]) != (module.mode, module.bits,
+                                                        module.group_size):
+            *lead, output_dims, _ = module.weight.shape
+            allocate_quantized(module, tuple(lead), output_dims, input_dims(module),
+                               q["mode"], q["bits"], q["group_size"])

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .engram import EngramRows, EngramTable
 from .quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
 from .safetensors_io import CheckpointError, SafetensorsFile
 
@@ -67,10 +69,11 @@ RENAMES = [
     (L + r"engram\.wkv", r"model.layers.\1.engram.kv_proj", "fp8"),
     (L + r"engram\.(q_weight|k_weight)", r"model.layers.\1.engram.\2", "plain"),
 ]
+# (pattern, reason, group): the converter keeps a group's tensors verbatim unless told to drop it.
 DROPS = [
-    (r"mtp\..*", "DSpark drafter: not part of the text model yet"),
-    (r"(vision|aligner)\..*", "vision tower: not part of the text model yet"),
-    (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet"),
+    (r"mtp\..*", "DSpark drafter: not part of the text model yet", "dspark"),
+    (r"(vision|aligner)\..*", "vision tower: not part of the text model yet", "vision"),
+    (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet", "vision"),
 ]
 E8M0_NAN = 255  # checkpoint.md §4: never valid in a scale
 PAIRED = {"fp8", "fp8_grouped", "fp4_expert", "fp8_rows"}  # stored as .weight + .scale
@@ -78,6 +81,12 @@ EXPECTED_DTYPES = {
     "plain": {"BF16", "F32"}, "fp8": {"F8_E4M3"}, "fp8_grouped": {"F8_E4M3"},
     "fp8_rows": {"F8_E4M3"}, "fp4_expert": {"I8", "U8"},
 }
+
+
+def data_start(path) -> int:
+    """Byte offset of a safetensors file's payload (after the 8-byte length and the header)."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
 def read_index(folder: Path) -> dict:
@@ -125,23 +134,32 @@ class _Shards:
         return f
 
     def get(self, name, kind) -> mx.array:
+        f = self.check_dtype(name, kind)
+        value = self.read(f, name)
+        if name.endswith(".scale") and self.checks_values and value.size \
+                and mx.max(value).item() == E8M0_NAN:
+            raise CheckpointError(f"{f.path}: tensor {name} holds the E8M0 NaN byte 255")
+        return value
+
+    checks_values = True  # False for a header-only pass (the converter's dry run)
+
+    def check_dtype(self, name, kind) -> SafetensorsFile:
         f = self.file(name)
-        is_scale = name.endswith(".scale")
-        allowed = {"F8_E8M0"} if is_scale else EXPECTED_DTYPES[kind]
+        allowed = {"F8_E8M0"} if name.endswith(".scale") else EXPECTED_DTYPES[kind]
         if f.dtype(name) not in allowed:
             raise CheckpointError(f"{f.path}: tensor {name} has dtype {f.dtype(name)}, "
                                   f"expected {'/'.join(sorted(allowed))}")
-        value = f.get(name)
-        if is_scale and value.size and mx.max(value).item() == E8M0_NAN:
-            raise CheckpointError(f"{f.path}: tensor {name} holds the E8M0 NaN byte 255")
-        return value
+        return f
+
+    def read(self, f: SafetensorsFile, name: str) -> mx.array:
+        return f.get(name)
 
 
 def plan(index: dict) -> tuple[dict, dict]:
     """Sort every published tensor into (used: target -> [(kind, base, match)], dropped)."""
     used, dropped = defaultdict(list), {}
     for name in sorted(index):
-        reason = next((why for p, why in DROPS if re.fullmatch(p, name)), None)
+        reason = next((why for p, why, _ in DROPS if re.fullmatch(p, name)), None)
         if reason:
             dropped[name] = reason
             continue
@@ -164,8 +182,6 @@ def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: st
         return _stack_experts(shards, entries, params, target)
     (_, base, _), = entries
     w, s = shards.get(f"{base}.weight", kind), shards.get(f"{base}.scale", kind)
-    if kind == "fp8_rows":
-        return {f"{target}.weight": w, f"{target}.scales": s}
     try:
         w, s = fp8_blocks_to_mxfp8(w, s)
     except ValueError as e:
@@ -207,27 +223,73 @@ def _stack_experts(shards: _Shards, entries: list, params: dict, target: str) ->
     return {f"{target}.weight": w, f"{target}.scales": s}
 
 
+def convert_target(shards: _Shards, target: str, entries: list, params: dict,
+                   cast: bool = True) -> dict:
+    """The published tensors of one target in the model's layout, checked against `params`;
+    `cast=False` keeps plain tensors in their stored dtype (the converter's choice)."""
+    kind, source = entries[0][0], entries[0][1]
+    out = {}
+    for name, value in _convert(shards, kind, entries, params, target).items():
+        if name not in params:
+            raise CheckpointError(f"tensor {source} maps to {name}, which this config "
+                                  f"does not have")
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise CheckpointError(f"tensor {source} has shape {tuple(value.shape)} after "
+                                  f"conversion, expected {tuple(params[name].shape)} for {name}")
+        out[name] = value.astype(params[name].dtype) if kind == "plain" and cast else value
+    return out
+
+
+def engram_tables(model) -> dict:
+    """{module path: EngramTable} of the model."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, EngramTable)}
+
+
+def check_table(shards: _Shards, table: EngramTable, base: str) -> tuple:
+    """Dtype and shape checks of a published Engram table; -> (weight file, scale file)."""
+    files = []
+    for part, width in (("weight", table.head_dim), ("scale", table.head_dim // 32)):
+        name = f"{base}.{part}"
+        f = shards.check_dtype(name, "fp8_rows")
+        if f.shape(name) != (table.rows, width):
+            raise CheckpointError(f"tensor {name} has shape {f.shape(name)}, expected "
+                                  f"{(table.rows, width)} (engram_num_embeddings, head_dim)")
+        files.append(f)
+    return tuple(files)
+
+
+def _attach_table(shards: _Shards, table: EngramTable, base: str) -> None:
+    """Memory-map a published table in place: rows are read only when looked up."""
+    weight_file, scale_file = check_table(shards, table, base)
+    regions = []
+    for f, name in ((weight_file, f"{base}.weight"), (scale_file, f"{base}.scale")):
+        begin = f.entries[name]["data_offsets"][0]
+        regions.append((f.path, data_start(f.path) + begin, f.shape(name)))
+    table.attach(EngramRows.from_regions([tuple(regions)]))
+
+
 def load_weights(model, folder) -> dict:
-    """Fill `model` from a published-layout folder; returns {dropped tensor: reason}."""
+    """Fill `model` from a published-layout folder; returns {dropped tensor: reason}.
+
+    Engram tables are memory-mapped (never copied into memory); everything else is loaded.
+    """
     folder = Path(folder)
     index = read_index(folder)
     used, dropped = plan(index)
     params = dict(tree_flatten(model.parameters()))
+    tables = engram_tables(model)
     shards = _Shards(index)
-    loaded = {}
+    loaded, attached = {}, set()
     for target, entries in used.items():
-        kind = entries[0][0]
-        for name, value in _convert(shards, kind, entries, params, target).items():
-            source = entries[0][1]
-            if name not in params:
-                raise CheckpointError(f"tensor {source} maps to {name}, which this config "
-                                      f"does not have")
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise CheckpointError(f"tensor {source} has shape {tuple(value.shape)} after "
-                                      f"conversion, expected {tuple(params[name].shape)} "
-                                      f"for {name}")
-            loaded[name] = value.astype(params[name].dtype) if kind == "plain" else value
-    missing = sorted(set(params) - set(loaded))
+        if entries[0][0] == "fp8_rows":
+            if target not in tables:
+                raise CheckpointError(f"tensor {entries[0][1]} maps to {target}, which this "
+                                      f"config does not have")
+            _attach_table(shards, tables[target], entries[0][1])
+            attached.add(target)
+            continue
+        loaded.update(convert_target(shards, target, entries, params))
+    missing = sorted(set(params) - set(loaded)) + sorted(set(tables) - attached)
     if missing:
         raise CheckpointError(f"{folder}: no checkpoint tensor for parameter {missing[0]}"
                               f" ({len(missing)} missing)")

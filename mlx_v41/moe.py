@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import QuantLinear
+from .layers import QuantLinear, allocate_quantized
 from .quant import act_fp8_qdq
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
@@ -20,14 +20,15 @@ ROUTER_EPS = 1e-20
 class Router(nn.Module):
     def __init__(self, hidden_size: int, n_experts: int, top_k: int, route_scale: float):
         super().__init__()
-        self.weight = mx.zeros((n_experts, hidden_size), dtype=mx.bfloat16)
+        # Held in fp32 (the reference promotes it per call): no per-token cast of [E, D].
+        self.weight = mx.zeros((n_experts, hidden_size), dtype=mx.float32)
         self.e_score_correction_bias = mx.zeros((n_experts,), dtype=mx.float32)
         self.bias_vl = mx.zeros((n_experts,), dtype=mx.float32)
         self.top_k, self.route_scale = top_k, route_scale
 
     def __call__(self, x: mx.array):
         """-> (expert ids [B, S, k] int32, weights [B, S, k] fp32)."""
-        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        logits = x.astype(mx.float32) @ self.weight.T
         soft = mx.where(logits > SOFTPLUS_THRESHOLD, logits, mx.logaddexp(logits, 0.0))
         scores = mx.sqrt(soft)
         biased = scores + self.e_score_correction_bias
@@ -42,12 +43,7 @@ class SwitchLinear(nn.Module):
 
     def __init__(self, input_dims, output_dims, n_experts, mode="mxfp4", bits=4, group_size=32):
         super().__init__()
-        self.weight = mx.zeros((n_experts, output_dims, input_dims * bits // 32), dtype=mx.uint32)
-        self.scales = mx.zeros((n_experts, output_dims, input_dims // group_size), dtype=mx.uint8)
-        if mode == "affine":
-            self.scales = self.scales.astype(mx.bfloat16)
-            self.biases = mx.zeros_like(self.scales)
-        self.mode, self.bits, self.group_size = mode, bits, group_size
+        allocate_quantized(self, (n_experts,), output_dims, input_dims, mode, bits, group_size)
 
     def __call__(self, x, ids, sorted_ids=False):
         out = mx.gather_qmm(
@@ -82,7 +78,7 @@ class SwitchMLP(nn.Module):
         act = clamped_swiglu(self.gate_proj(rows, sorted_ids, True),
                              self.up_proj(rows, sorted_ids, True), self.limit)
         act = act * weights.reshape(-1)[order][:, None, None]
-        act = act_fp8_qdq(act.astype(mx.bfloat16))
+        act = act_fp8_qdq(act.astype(mx.bfloat16), mx.float32)
         out = self.down_proj(act, sorted_ids, True)       # [T*k, 1, D]
         return out[inverse].reshape(tokens, k, -1)
 
@@ -111,7 +107,7 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         batch, length, dim = x.shape
         ids, weights = self.gate(x)
-        flat = act_fp8_qdq(x.reshape(-1, dim))
+        flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
         routed = self.experts.switch_mlp(flat, ids.reshape(batch * length, -1),
                                          weights.reshape(batch * length, -1))
         total = mx.sum(routed.astype(mx.float32), axis=1).reshape(batch, length, dim)

@@ -6,6 +6,7 @@ Angles are computed from the positions of each call, so no table grows with the 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -34,20 +35,45 @@ def rope_frequencies(rope_dim: int, base: float, scaling: Optional[dict]) -> np.
     return (freqs / np.float32(factor) * ramp + freqs * (1 - ramp)).astype(np.float32)
 
 
+TABLES_KEPT = 8  # (start, length) angle tables kept per RoPE: the layers of one call share them
+
+
+@functools.lru_cache(maxsize=None)
+def shared_rope(rope_dim: int, base: float, scaling: Optional[tuple] = None) -> "RoPE":
+    """One RoPE per distinct configuration, so all layers of a call reuse its angle tables."""
+    return RoPE(rope_dim, base, dict(scaling) if scaling else None)
+
+
 class RoPE:
     """Rotates the last `rope_dim` channels of `[B, S, ..., D]` by the angle `position * freq`."""
 
     def __init__(self, rope_dim: int, base: float, scaling: Optional[dict] = None):
         self.rope_dim = rope_dim
         self.freqs = mx.array(rope_frequencies(rope_dim, base, scaling))
+        self._tables: dict = {}
 
-    def angles(self, positions: mx.array):
+    def angles(self, positions):
+        """(cos, sin) [S, rope_dim / 2]; `positions` an array, or an int start of S rows."""
+        if isinstance(positions, mx.array):
+            return self._angles(positions)
+        start, length = positions
+        key = (start, length)
+        if key not in self._tables:
+            if len(self._tables) >= TABLES_KEPT:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = self._angles(mx.arange(start, start + length))
+        return self._tables[key]
+
+    def _angles(self, positions: mx.array):
         theta = positions.astype(mx.float32)[:, None] * self.freqs[None, :]
         return mx.cos(theta), mx.sin(theta)
 
-    def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
-        """`positions` [S] absolute positions of axis 1 of `x`."""
+    def __call__(self, x: mx.array, positions, inverse: bool = False) -> mx.array:
+        """`positions`: [S] absolute positions of axis 1 of `x`, or the int position of its
+        first row (contiguous rows; their angle table is shared by every layer)."""
         r = self.rope_dim
+        if not isinstance(positions, mx.array):
+            positions = (int(positions), x.shape[1])
         cos, sin = self.angles(positions)
         if inverse:
             sin = -sin

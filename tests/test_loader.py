@@ -181,10 +181,11 @@ def test_fp8_and_fp4_weights_stay_packed(ckpt):
     assert np.array_equal(np.array(gate.weight.view(mx.uint8)).reshape(8, -1), raw_w)
     assert np.array_equal(np.array(gate.scales).reshape(8, -1), raw_s)
     # Engram table: FP8 rows and per-32 scales as stored.
-    table = layer.engram.embed
-    assert table.weight.dtype == mx.uint8 and table.scales.dtype == mx.uint8
-    assert np.array_equal(np.array(table.weight).ravel(), np.frombuffer(
+    (codes, scales), = layer.engram.embed.storage.parts  # memory-mapped, not parameters
+    assert np.array_equal(codes.ravel(), np.frombuffer(
         tensor_bytes(ckpt, "layers.1.engram.embed.weight"), np.uint8))
+    assert np.array_equal(scales.ravel(), np.frombuffer(
+        tensor_bytes(ckpt, "layers.1.engram.embed.scale"), np.uint8))
 
 
 # ---------------------------------------------------------------- folder, index, shard files

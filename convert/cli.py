@@ -1,0 +1,77 @@
+"""Command line: `mlx_v41.convert --hf-path <folder or repo> --mlx-path <out> [-q ...]`, with
+mlx-lm's flag names. Bad input ends with one line on stderr and exit status 1."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from mlx_v41.config import ConfigError
+from mlx_v41.safetensors_io import CheckpointError
+
+from .pipeline import DEFAULT_SHARD_SIZE, convert
+from .recipes import DTYPES, MODE_DEFAULTS, PRESETS
+from .source import ConvertError
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9, '512MiB' -> 512 * 2^20, '4096' -> 4096 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB)")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_v41.convert",
+        description="Convert the published DeepSeek V4.1 Flash checkpoint into an MLX model "
+                    "folder: streaming, resumable, atomic.")
+    p.add_argument("--hf-path", "--model", required=True,
+                   help="published checkpoint: a local folder or a Hugging Face repo id")
+    p.add_argument("--mlx-path", default="mlx_model",
+                   help="output folder (must not exist or be empty; default: mlx_model)")
+    p.add_argument("--revision", help="Hugging Face revision (repo ids only)")
+    p.add_argument("-q", "--quantize", action="store_true",
+                   help="requantize every quantized module from the official values")
+    p.add_argument("--q-group-size", type=int, help="group size (default per mode, as mlx-lm)")
+    p.add_argument("--q-bits", type=int, help="bits per weight (default per mode, as mlx-lm)")
+    p.add_argument("--q-mode", default="affine", choices=sorted(MODE_DEFAULTS),
+                   help="quantization mode (default: affine)")
+    p.add_argument("--quant-predicate", choices=sorted(PRESETS),
+                   help="mixed preset: mixed_E_8 = routed experts at E bits (--q-mode, "
+                        "--q-group-size), every other module at the official 8-bit FP8")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="storage dtype of the BF16 float tensors (default: as stored)")
+    p.add_argument("--drop-vision", action="store_true", help="leave out the vision tower")
+    p.add_argument("--drop-dspark", action="store_true", help="leave out the DSpark drafter")
+    p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE,
+                   help="bytes per output file (default: 5GB)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the input and print the output sizes; write nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        convert(args.hf_path, args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
+                q_group_size=args.q_group_size, q_mode=args.q_mode,
+                quant_predicate=args.quant_predicate, dtype=args.dtype,
+                drop_vision=args.drop_vision, drop_dspark=args.drop_dspark,
+                shard_size=args.shard_size, revision=args.revision, dry_run=args.dry_run,
+                progress=not args.quiet)
+    except (ConvertError, CheckpointError, ConfigError) as e:
+        message = " ".join(str(e).split())
+        print(f"mlx_v41.convert: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mlx_v41.convert: interrupted; re-run the same command to resume",
+              file=sys.stderr)
+        return 130
+    return 0

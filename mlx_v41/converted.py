@@ -1,0 +1,119 @@
+"""Loading a folder written by `mlx_v41.convert`: MLX safetensors shards under our module
+names in the layouts of config.json's `quantization` block (mlx-lm's form), Engram tables as
+packed-row files memory-mapped in place, and the Engram token map saved at conversion.
+
+The manifest (`mlx_v41_convert.json`) says the folder is complete and lists every file with
+its size and sha256; sizes are checked at load (a truncated file is an error), hashes by the
+converter when it resumes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .engram import EngramRows
+from .layers import configure_quantization
+from .loader import data_start, engram_tables
+from .safetensors_io import CheckpointError, SafetensorsFile
+
+MANIFEST = "mlx_v41_convert.json"
+FORMAT_PREFIX = "mlx_v41.convert/"
+
+
+def is_converted(folder) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: unreadable conversion manifest") from None
+    if not str(manifest.get("format", "")).startswith(FORMAT_PREFIX):
+        raise CheckpointError(f"{path}: not a manifest written by mlx_v41.convert")
+    if not manifest.get("complete"):
+        raise CheckpointError(f"{folder}: the conversion did not finish (re-run "
+                              "mlx_v41.convert to complete it)")
+    return manifest
+
+
+def _checked_file(folder: Path, manifest: dict, name: str) -> Path:
+    path = folder / name
+    expected = manifest["files"].get(name, {}).get("bytes")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file listed in the manifest is missing")
+    if expected is not None and path.stat().st_size != expected:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, the manifest says "
+                              f"{expected} (truncated or modified)")
+    return path
+
+
+def _load_weights(model, folder: Path, manifest: dict) -> None:
+    params = dict(tree_flatten(model.parameters()))
+    loaded = {}
+    for name in manifest["weights"]:
+        path = _checked_file(folder, manifest, name)
+        for key, value in mx.load(str(path)).items():
+            if key not in params:
+                raise CheckpointError(f"{path}: tensor {key} is not a parameter of this model")
+            expected = params[key]
+            if tuple(value.shape) != tuple(expected.shape):
+                raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, "
+                                      f"expected {tuple(expected.shape)}")
+            is_float = mx.issubdtype(value.dtype, mx.floating)
+            if not is_float and value.dtype != expected.dtype:
+                raise CheckpointError(f"{path}: tensor {key} has dtype {value.dtype}, "
+                                      f"expected {expected.dtype}")
+            # Float tensors may be stored in another dtype (--dtype); the model computes in its own.
+            loaded[key] = value.astype(expected.dtype) if is_float else value
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise CheckpointError(f"{folder}: no tensor for parameter {missing[0]} "
+                              f"({len(missing)} missing)")
+    model.update(tree_unflatten(list(loaded.items())))
+    mx.eval(model.parameters())
+
+
+def _attach_tables(model, folder: Path, manifest: dict) -> None:
+    described = manifest.get("engram", {}).get("tables", {})
+    for target, table in engram_tables(model).items():
+        if target not in described:
+            raise CheckpointError(f"{folder}: the manifest has no Engram table for {target}")
+        files = []
+        for part in described[target]["files"]:
+            path = _checked_file(folder, manifest, part["file"])
+            header = SafetensorsFile(path)
+            (name,) = header.keys()
+            width = table.head_dim + table.head_dim // 32
+            if header.dtype(name) != "U8" or header.shape(name) != (part["rows"], width):
+                raise CheckpointError(f"{path}: expected packed rows U8 {[part['rows'], width]}"
+                                      f", got {header.dtype(name)} {list(header.shape(name))}")
+            offset = data_start(path) + header.entries[name]["data_offsets"][0]
+            files.append((path, offset, part["rows"], table.head_dim))
+        table.attach(EngramRows.from_packed(files))
+
+
+def load_converted(model, folder) -> np.ndarray | None:
+    """Fill `model` from a converted folder; -> the Engram token map (None without Engram)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    quantization = model.args.quantization
+    if not isinstance(quantization, dict):
+        raise CheckpointError(f"{folder / 'config.json'}: a converted model needs a "
+                              "'quantization' block")
+    try:
+        configure_quantization(model, quantization)
+    except ValueError as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    _load_weights(model, folder, manifest)
+    _attach_tables(model, folder, manifest)
+    token_map = manifest.get("engram", {}).get("token_map")
+    if token_map is None:
+        return None
+    return np.load(_checked_file(folder, manifest, token_map))

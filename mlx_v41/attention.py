@@ -98,14 +98,15 @@ class Attention(nn.Module):
         rows get window KV; only the last `n_out` rows (default all) are queries."""
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
-        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), ctx.end - n_in))
+        xq = self.kv_proj.prepare(x)  # q_a_proj reads the same rounded input
+        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj.apply(xq)), ctx.end - n_in))
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
             self.compress(x, ctx, cache)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
-        qr = self.q_a_norm(self.q_a_proj(x))
+        qr = self.q_a_norm(self.q_a_proj.apply(xq[:, n_in - n_out:]))
         q = self.q_b_proj(qr).reshape(batch, n_out, self.heads, self.head_dim)
         q = self.rope(q, pos)
         packed, rows = self._packed_rows(x, qr, ctx)

@@ -6,8 +6,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
+
+
+@functools.cache
+def _constants(n: int, eps: float):
+    """All-ones [n, n] (sums as matmuls, already broadcast) and eps [n, n], made once."""
+    ones, shift = mx.ones((n, n), dtype=mx.float32), mx.full((n, n), eps, dtype=mx.float32)
+    mx.eval(ones, shift)
+    return ones, shift
 
 
 def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
@@ -16,9 +26,7 @@ def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
     Each normalisation is one `addmm` (the sums, already broadcast, plus eps) and one divide:
     this runs once per block side per token, and on MLX's CPU backend op count is the cost.
     """
-    n = comb.shape[-1]
-    ones = mx.ones((n, n), dtype=mx.float32)
-    shift = mx.full((n, n), eps, dtype=mx.float32)
+    ones, shift = _constants(comb.shape[-1], eps)
     comb = mx.exp(comb - mx.max(comb, axis=-1, keepdims=True))
     comb = comb / (comb @ ones) + eps
     comb = comb / mx.addmm(shift, ones, comb)

@@ -36,9 +36,16 @@ class QuantLinear(nn.Module):
         self.quantize_input = quantize_input
 
     def __call__(self, x: mx.array) -> mx.array:
-        # fp32 input: MLX's CPU quantized matmul accumulates bf16 inputs in bf16. The FP8
-        # values are exact in both, so the rounding goes straight to fp32.
-        x = act_fp8_qdq(x, mx.float32) if self.quantize_input else x.astype(mx.float32)
+        return self.apply(self.prepare(x))
+
+    def prepare(self, x: mx.array) -> mx.array:
+        """The matmul input: act_fp8-rounded (when the reference rounds it) fp32, shareable
+        by linears that read the same activation. fp32 because MLX's CPU quantized matmul
+        accumulates bf16 inputs in bf16; the FP8 values are exact in both."""
+        return act_fp8_qdq(x, mx.float32) if self.quantize_input else x.astype(mx.float32)
+
+    def apply(self, x: mx.array) -> mx.array:
+        """y = x W^T for an input already `prepare`d; bf16 output."""
         out = mx.quantized_matmul(
             x, self.weight, self.scales, self.get("biases"), transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode)

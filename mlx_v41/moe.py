@@ -14,6 +14,7 @@ from .layers import QuantLinear, allocate_quantized
 from .quant import act_fp8_qdq
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
+SORT_THRESHOLD = 64  # below this many (token, expert) pairs, gathering unsorted is cheaper
 ROUTER_EPS = 1e-20
 
 
@@ -70,6 +71,11 @@ class SwitchMLP(nn.Module):
     def __call__(self, x, ids, weights):
         """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D] bf16."""
         tokens, k = ids.shape
+        if tokens * k < SORT_THRESHOLD:
+            rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
+            act = clamped_swiglu(self.gate_proj(rows, ids), self.up_proj(rows, ids), self.limit)
+            act = act_fp8_qdq((act * weights[..., None, None]).astype(mx.bfloat16), mx.float32)
+            return self.down_proj(act, ids).squeeze(-2)
         flat_ids = ids.reshape(-1)
         order = mx.argsort(flat_ids)
         inverse = mx.argsort(order)
@@ -91,8 +97,10 @@ class SharedExpert(nn.Module):
         self.down_proj = QuantLinear(inter, hidden)
         self.limit = limit
 
-    def __call__(self, x):
-        act = clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit)
+    def __call__(self, x, prepared=None):
+        """`prepared`: x already act_fp8-rounded (the routed experts' input, shared)."""
+        xq = self.gate_proj.prepare(x) if prepared is None else prepared
+        act = clamped_swiglu(self.gate_proj.apply(xq), self.up_proj.apply(xq), self.limit)
         return self.down_proj(act.astype(mx.bfloat16))
 
 
@@ -110,6 +118,6 @@ class MoE(nn.Module):
         flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
         routed = self.experts.switch_mlp(flat, ids.reshape(batch * length, -1),
                                          weights.reshape(batch * length, -1))
-        total = mx.sum(routed.astype(mx.float32), axis=1).reshape(batch, length, dim)
-        total = total + self.shared_experts(x).astype(mx.float32)
-        return total.astype(mx.bfloat16)
+        total = mx.sum(routed.astype(mx.float32), axis=1)
+        total = total + self.shared_experts(x, flat).astype(mx.float32)
+        return total.astype(mx.bfloat16).reshape(batch, length, dim)

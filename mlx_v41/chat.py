@@ -1,0 +1,356 @@
+"""`mlx_v41.chat`: a multi-turn chat that keeps its prompt cache across turns.
+
+    mlx_v41.chat --model demo
+    mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --no-thinking
+
+Each turn renders the whole conversation with the V4.1 chat format and runs only the tokens the
+cache does not hold yet. In thinking mode earlier turns lose their reasoning (and the header
+token changes), so the new prompt need not extend the cached tokens: the session then rolls the
+cache back with `trim_cache`, or restores the snapshot taken at the end of the last prompt, or
+prefills from scratch, whichever keeps the most (spec chat_format.md §3.5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+from . import chat_format as cf
+from .cache import CacheError, cache_bytes
+from .generate import (DEFAULT_PREFILL_STEP_SIZE, ArgumentParser, GenerationResponse,
+                       PrefillProgress, PromptCache, add_model_arguments, check_context, load,
+                       make_sampler_from, prefill, reuse_prompt_cache, stream_decode,
+                       wired_limit, write_prompt_cache)
+from .prompt_cache import load_prompt_cache
+
+DEFAULT_MAX_TOKENS = 256  # mlx-lm chat's default
+DEFAULT_SEED = 0
+SESSION_FORMAT = "mlx_v41.chat_session.v1"
+CACHE_SOURCES = ("reply", "prompt snapshot")  # the candidates a turn may continue, in order
+SIGNAL_POLL_SECONDS = 0.2  # how long a wait for input may hide a Ctrl-C
+HELP = """commands:
+  /help  (h)            this list
+  /reset (r)            start a new conversation
+  /save PATH            save the session (prompt cache + transcript)
+  /load PATH            load a saved session
+  /stats                statistics of the last turn
+  /thinking [on|off]    toggle thinking mode
+  /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost: the rendered prompt, how much of it the cache already held, and the
+    generation (rates in tokens/s, memory in GB)."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    prompt_tps: float
+    source: str  # where the reused tokens came from: "reply", "prompt snapshot" or "none"
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class _Reply:
+    """A reply in progress: its text, token ids and last response."""
+
+    text: str = ""
+    tokens: list = field(default_factory=list)
+    last: Optional[GenerationResponse] = None
+
+
+def assistant_message(text: str, thinking: bool, is_finished: bool) -> dict:
+    """The transcript entry for a generated reply (reasoning, answer, tool calls)."""
+    try:
+        parsed = cf.parse_completion(text + (cf.EOS if is_finished else ""),
+                                     "thinking" if thinking else "chat")
+        reasoning, content = parsed["reasoning_content"], parsed["content"]
+        calls = parsed["tool_calls"]
+    except ValueError:  # a reply the parser rejects (e.g. special tokens inside): keep it raw
+        reasoning, found, content = text.partition(cf.THINK_END) if thinking else ("", "", text)
+        reasoning, content = (reasoning, content) if found or not thinking else (text, "")
+        calls = []
+    # The renderer rejects an image placeholder outside user content; none has an image here.
+    message = {"role": "assistant", "content": content.replace(cf.IMAGE_PLACEHOLDER, "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning.replace(cf.IMAGE_PLACEHOLDER, "")
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+class ChatSession:
+    """A conversation with a model and the prompt caches that make its turns cheap.
+
+    `live` holds the cache after the last reply (prompt + reply tokens), `snapshot` the cache at
+    the end of the last prompt; both are candidates for the next turn's prefix.
+    """
+
+    def __init__(self, model, tokenizer, *, system_prompt: Optional[str] = None,
+                 thinking: bool = True, reasoning_effort=None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
+                 prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
+                 show_progress: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.system_prompt, self.thinking = system_prompt, thinking
+        self.reasoning_effort, self.max_tokens = reasoning_effort, max_tokens
+        self.sampler, self.prefill_step_size = sampler, prefill_step_size
+        self.show_progress = show_progress  # a progress line on stderr for long prefills
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list = []
+        self.live: Optional[PromptCache] = None
+        self.snapshot: Optional[PromptCache] = None
+        self.stats: Optional[TurnStats] = None
+        self._reply: Optional[_Reply] = None  # the reply in progress
+
+    def conversation(self) -> list:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + self.messages
+
+    def prompt_tokens(self) -> list:
+        """The rendered conversation (ending in the generation header) as token ids."""
+        return self.tokenizer.encode_chat(self.conversation(), self.thinking,
+                                          self.reasoning_effort)
+
+    def reply(self, text: str) -> Iterator[GenerationResponse]:
+        """Add a user message and stream the reply. If the caller stops early (Ctrl-C), call
+        `interrupt()` so the transcript and caches stay consistent."""
+        self.messages.append({"role": "user", "content": text})
+        self._reply = None
+        try:
+            tokens = self.prompt_tokens()
+            check_context(self.model, 0, len(tokens))
+        except ValueError:
+            self.messages.pop()
+            raise
+        with wired_limit(self.model):
+            yield from self._run(tokens)
+
+    def _run(self, tokens: list) -> Iterator[GenerationResponse]:
+        state, source = reuse_prompt_cache(self.model, tokens, [self.live, self.snapshot])
+        reused, todo = len(state.tokens), tokens[len(state.tokens):]
+        progress = PrefillProgress(self.prefill_step_size) if self.show_progress else None
+        tic = time.perf_counter()
+        logits = prefill(self.model, todo, state.cache, self.prefill_step_size, progress)
+        seconds = time.perf_counter() - tic
+        state.tokens.extend(todo)
+        self.live, self.snapshot = None, state.copy()
+        self.stats = TurnStats(len(tokens), reused, len(todo), len(todo) / max(seconds, 1e-9),
+                               "none" if source is None else CACHE_SOURCES[source])
+        reply = self._reply = _Reply()
+        for response in stream_decode(self.model, self.tokenizer, logits, state.cache,
+                                      prompt_tokens=len(todo), prompt_seconds=seconds,
+                                      max_tokens=self.max_tokens, sampler=self.sampler,
+                                      history=todo):
+            reply.text += response.text
+            reply.tokens.append(response.token)
+            reply.last = response
+            yield response
+        state.tokens.extend(reply.tokens)  # stream_decode feeds every token it yields
+        self.live = state
+        self._finish(reply.last.finish_reason if reply.last else "length")
+
+    def _finish(self, reason: Optional[str]) -> None:
+        """Record the reply (its text so far) in the transcript and the turn's stats."""
+        reply, self._reply = self._reply, None
+        self.messages.append(assistant_message(reply.text, self.thinking, reason == "stop"))
+        if reply.last is not None:
+            self.stats.generation_tokens = reply.last.generation_tokens
+            self.stats.generation_tps = reply.last.generation_tps
+            self.stats.peak_memory = reply.last.peak_memory
+        self.stats.finish_reason = reason
+
+    def interrupt(self) -> None:
+        """After a reply was stopped: keep what was generated (the live cache was dropped when
+        the reply started; the prompt snapshot stays). Stopped before the reply started: the
+        user message is withdrawn and the caches are as they were."""
+        if self._reply is None:
+            if self.messages and self.messages[-1]["role"] == "user":
+                self.messages.pop()
+            return
+        self._finish("interrupted")
+
+    def save(self, path) -> None:
+        """The session (cache of the last reply, or of the last prompt, and the transcript) as
+        one prompt-cache file."""
+        state = self.live or self.snapshot or PromptCache(self.model.make_cache())
+        write_prompt_cache(path, state.cache, self.model, {
+            "format": SESSION_FORMAT, "messages": json.dumps(self.messages),
+            "tokens": json.dumps(state.tokens), "system_prompt": json.dumps(self.system_prompt),
+            "thinking": json.dumps(self.thinking),
+            "reasoning_effort": json.dumps(self.reasoning_effort)})
+
+    def load(self, path) -> None:
+        """Replace this session by a saved one (same model config; CacheError otherwise)."""
+        cache, meta = load_prompt_cache(path, self.model, return_metadata=True)
+        if meta.get("format") != SESSION_FORMAT:
+            raise CacheError(f"{path}: a prompt cache, but not a saved chat session")
+        self.reset()
+        self.messages = json.loads(meta["messages"])
+        self.live = PromptCache(cache, json.loads(meta["tokens"]))
+        self.system_prompt = json.loads(meta["system_prompt"])
+        self.thinking = json.loads(meta["thinking"])
+        self.reasoning_effort = json.loads(meta["reasoning_effort"])
+
+
+# ---------------------------------------------------------------- the REPL
+
+def format_stats(session: ChatSession) -> str:
+    s, lines = session.stats, []
+    if s is not None:
+        lines += [f"prompt: {s.prompt_tokens} tokens, {s.reused_tokens} reused from the cache "
+                  f"({s.source}), {s.prefilled_tokens} prefilled at "
+                  f"{s.prompt_tps:.1f} tokens/s",
+                  f"reply: {s.generation_tokens} tokens at {s.generation_tps:.1f} tokens/s "
+                  f"({s.finish_reason})",
+                  f"peak memory: {s.peak_memory:.3f} GB"]
+    state = session.live or session.snapshot
+    limit = session.model.args.text_config.max_position_embeddings
+    if state is not None:
+        size = cache_bytes(state.cache)["total"]
+        lines.append(f"cache: {len(state.tokens)} of {limit} positions, {size / 2**20:.2f} MiB")
+    lines.append(f"thinking: {'on' if session.thinking else 'off'}; "
+                 f"{len(session.messages)} messages")
+    return "\n".join(lines)
+
+
+def run_command(session: ChatSession, line: str, out) -> bool:
+    """Carry out a /command; False means quit."""
+    name, _, arg = line.partition(" ")
+    name, arg = {"q": "/quit", "r": "/reset", "h": "/help"}.get(name, name), arg.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/help":
+        print(HELP, file=out)
+    elif name == "/reset":
+        session.reset()
+        print("[new conversation]", file=out)
+    elif name in ("/save", "/load") and not arg:
+        print(f"error: {name} needs a file path", file=sys.stderr)
+    elif name == "/save":
+        session.save(Path(arg).expanduser())
+        print(f"[saved to {arg}]", file=out)
+    elif name == "/load":
+        session.load(Path(arg).expanduser())
+        print(f"[loaded {arg}: {len(session.messages)} messages]", file=out)
+    elif name == "/stats":
+        print(format_stats(session), file=out)
+    elif name == "/thinking" and arg in ("", "on", "off"):
+        session.thinking = {"on": True, "off": False}.get(arg, not session.thinking)
+        print(f"[thinking {'on' if session.thinking else 'off'}]", file=out)
+    else:
+        print(f"error: unknown command {line!r} (/help lists them)", file=sys.stderr)
+    return True
+
+
+class LineReader:
+    """Lines from a file descriptor, waiting in short select() slices. A Ctrl-C that the kernel
+    hands to one of MLX's threads would not interrupt a read() blocked in the main thread (only
+    the main thread runs Python's handlers); here the main thread notices it within a slice."""
+
+    def __init__(self, fd: int):
+        self.fd, self.pending = fd, b""
+
+    def readline(self) -> Optional[str]:
+        """The next line without its newline; None at the end of input."""
+        while b"\n" not in self.pending:
+            if not select.select([self.fd], [], [], SIGNAL_POLL_SECONDS)[0]:
+                continue
+            chunk = os.read(self.fd, 4096)
+            if not chunk:  # end of input (Ctrl-D on an empty terminal line)
+                line, self.pending = self.pending, b""
+                return line.decode(errors="replace") if line else None
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode(errors="replace")
+
+
+def _lines(stream):
+    """A readline() for `stream`: a LineReader on its descriptor, or its own readline()."""
+    try:
+        return LineReader(stream.fileno()).readline
+    except (AttributeError, OSError, ValueError):  # e.g. io.StringIO in tests
+        def readline():
+            line = stream.readline()
+            return line.removesuffix("\n") if line else None
+        return readline
+
+
+def repl(session: ChatSession, interactive: bool, out=None, stream=None) -> int:
+    """Read messages and /commands until /quit, end of input or Ctrl-C at the prompt."""
+    out = out or sys.stdout
+    readline = _lines(stream or sys.stdin)
+    if interactive:
+        print("mlx_v41.chat: /help lists the commands; Ctrl-C stops a reply, Ctrl-D quits.",
+              file=out)
+    while True:
+        try:
+            print(">> " if interactive else "", end="", file=out, flush=True)
+            line = readline()
+        except KeyboardInterrupt:
+            line = None
+        if line is None:
+            print(file=out)
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            if line.startswith("/") or line in ("q", "r", "h"):
+                if not run_command(session, line, out):
+                    return 0
+                continue
+            for response in session.reply(line):
+                print(response.text, end="", flush=True, file=out)
+            print(file=out)
+        except KeyboardInterrupt:
+            session.interrupt()
+            print("\n[interrupted]", file=out, flush=True)
+        except (ValueError, OSError) as e:  # bad command argument, prompt too long, bad file
+            print(f"error: {e}", file=sys.stderr, flush=True)
+
+
+def setup_arg_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mlx_v41.chat",
+                            description="Chat with DeepSeek V4.1 Flash (multi-turn, cached).")
+    add_model_arguments(parser, DEFAULT_MAX_TOKENS, DEFAULT_SEED)
+    return parser
+
+
+def main(argv=None) -> int:
+    import mlx.core as mx
+
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        mx.random.seed(args.seed)
+        if args.model == "demo":
+            print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
+        model, tokenizer = load(args.model, prefill_mode=args.prefill_mode)
+        session = ChatSession(model, tokenizer, system_prompt=args.system_prompt,
+                              thinking=args.thinking, reasoning_effort=args.reasoning_effort,
+                              max_tokens=args.max_tokens, sampler=make_sampler_from(args),
+                              prefill_step_size=args.prefill_step_size,
+                              show_progress=True)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return repl(session, interactive=sys.stdin.isatty())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""`mlx_v41.chat`: prompt-cache reuse across turns (append, roll back, snapshot), output equal to
+a from-scratch run, session save/load, Ctrl-C, and the REPL over stdin and in a pseudo-terminal.
+Tiny golden checkpoint, greedy, a few tokens."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_v41
+from mlx_v41 import chat_format as cf
+from mlx_v41.cache import CacheError
+from mlx_v41.chat import ChatSession, assistant_message, main, repl
+from mlx_v41.generate import PromptTooLongError, stream_generate
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "data" / "goldens" / "tiny" / "hf"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return mlx_v41.load(GOLDEN)
+
+
+def scripted(tokenizer, text):
+    """A sampler that writes `text` then EOS (and EOS for the step the pipeline runs ahead)."""
+    eos = tokenizer.convert_tokens_to_ids(cf.EOS)
+    script = iter(tokenizer.encode(text, add_special_tokens=False) + [eos])
+    return lambda logprobs: mx.array([next(script, eos)])
+
+
+def reply(session, text):
+    return [r.token for r in session.reply(text)]
+
+
+def from_scratch(model, tokenizer, session, max_tokens):
+    """Greedy tokens for the session's last prompt, prefilled into a fresh cache."""
+    prompt = session.snapshot.tokens
+    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
+
+
+def test_second_turn_prefills_only_the_new_tokens(loaded):
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, thinking=False, max_tokens=20,
+                          sampler=scripted(tokenizer, "Sure, here it is."))
+    reply(session, "Hello")
+    assert session.messages[-1] == {"role": "assistant", "content": "Sure, here it is."}
+    history = list(session.live.tokens)  # prompt, reply and its EOS
+    session.sampler, session.max_tokens = None, 3
+    second = reply(session, "And then?")
+    new_turn = tokenizer.encode(f"{cf.USER}And then?{cf.ASSISTANT}{cf.THINK_END}",
+                                add_special_tokens=False)
+    prompt = session.snapshot.tokens
+    assert prompt == history + new_turn
+    stats = session.stats
+    assert (stats.reused_tokens, stats.prefilled_tokens, stats.source) == \
+        (len(history), len(new_turn), "reply")
+    assert second == from_scratch(model, tokenizer, session, 3)
+
+
+@pytest.mark.parametrize("reasoning, source", [("Ok", "reply"),
+                                               ("Let me think it over.", "prompt snapshot")])
+def test_thinking_turns_roll_back_and_match_from_scratch(loaded, reasoning, source):
+    """Thinking mode drops the reasoning and turns the `<think>` header into `</think>`: the
+    cache rolls back over a short reply, or restores the prompt snapshot after a long one."""
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, thinking=True, max_tokens=30,
+                          sampler=scripted(tokenizer, f"{reasoning}{cf.THINK_END}Yes."))
+    reply(session, "Hello")
+    first_prompt = list(session.snapshot.tokens)
+    assert session.messages[-1] == {"role": "assistant", "content": "Yes.",
+                                    "reasoning_content": reasoning}
+    session.sampler, session.max_tokens = None, 3
+    second = reply(session, "And then?")
+    assert session.snapshot.tokens[:len(first_prompt) - 1] == first_prompt[:-1]
+    assert (session.stats.reused_tokens, session.stats.source) == (len(first_prompt) - 1, source)
+    assert second == from_scratch(model, tokenizer, session, 3)
+
+
+def test_save_and_load_a_session(loaded, tmp_path):
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, thinking=False, max_tokens=3,
+                          system_prompt="Be brief.")
+    reply(session, "Hello")
+    path = tmp_path / "session.safetensors"
+    session.save(path)
+    restored = ChatSession(model, tokenizer, max_tokens=3)
+    restored.load(path)
+    assert restored.messages == session.messages and restored.thinking is False
+    assert restored.system_prompt == "Be brief." and restored.live.tokens == session.live.tokens
+    assert reply(restored, "More?") == reply(session, "More?")
+    assert restored.stats.reused_tokens == session.stats.reused_tokens > 0
+    mlx_v41.save_prompt_cache(tmp_path / "plain.safetensors", model.make_cache(), model)
+    with pytest.raises(CacheError, match="not a saved chat session"):
+        restored.load(tmp_path / "plain.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(CacheError):
+        restored.load(tmp_path / "junk.safetensors")
+    assert restored.messages[-2]["content"] == "More?"  # a failed load leaves the session
+
+
+def test_interrupt_keeps_the_session_usable(loaded, monkeypatch):
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, thinking=False, max_tokens=10)
+    stream = session.reply("Hello")
+    partial = "".join(next(stream).text for _ in range(2))
+    session.interrupt()  # what the REPL does on Ctrl-C
+    stream.close()
+    assert session.messages[-1] == {"role": "assistant", "content": partial}
+    assert session.live is None and session.stats.finish_reason == "interrupted"
+    session.max_tokens = 2
+    second = reply(session, "Go on")
+    assert session.stats.source == "prompt snapshot"
+    assert second == from_scratch(model, tokenizer, session, 2)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    before = (list(session.messages), session.live, session.snapshot)
+    monkeypatch.setattr(sys.modules["mlx_v41.chat"], "prefill", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        reply(session, "Interrupted while prefilling")
+    session.interrupt()
+    assert (session.messages, session.live, session.snapshot) == before
+
+
+def test_assistant_message_parsing():
+    assert assistant_message("Why</think>Yes", True, True) == \
+        {"role": "assistant", "content": "Yes", "reasoning_content": "Why"}
+    assert assistant_message("still thinking", True, False) == \
+        {"role": "assistant", "content": "", "reasoning_content": "still thinking"}
+    # Random text with special tokens inside is kept raw, less an image placeholder.
+    raw = f"a{cf.USER}b{cf.IMAGE_PLACEHOLDER}c"
+    assert assistant_message(raw, False, True) == {"role": "assistant",
+                                                   "content": f"a{cf.USER}bc"}
+
+
+def test_prompt_too_long_leaves_the_session(tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(GOLDEN, folder)
+    os.chmod(folder / "config.json", 0o644)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 40
+    (folder / "config.json").write_text(json.dumps(config))
+    model, tokenizer = mlx_v41.load(folder)
+    session = ChatSession(model, tokenizer, thinking=False, max_tokens=2)
+    with pytest.raises(PromptTooLongError):
+        reply(session, "word " * 40)
+    assert session.messages == []
+    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 40 + "\nHi\n/stats\n"))
+    assert repl(session, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "error: the prompt has" in err and "context is 40" in err
+    assert "prompt: " in out and len(session.messages) == 2
+
+
+def test_bad_model_is_one_line(capsys, tmp_path):
+    assert main(["--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model folder not found" in err
+    with pytest.raises(SystemExit):
+        main(["--model", str(GOLDEN), "--thinking", "--prefill-mode", "exact"])
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- the REPL as a program
+
+def chat_command(*flags):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return [sys.executable, "-m", "mlx_v41.chat", "--model", str(GOLDEN), *flags], env
+
+
+def test_repl_over_stdin(tmp_path):
+    path = tmp_path / "s.safetensors"
+    script = "\n".join(["Hello", "/stats", "/thinking off", "Again", f"/save {path}", "/reset",
+                        "/stats", f"/load {path}", "/nope", "/save", "q", "never read"]) + "\n"
+    argv, env = chat_command("-m", "3", "--reasoning-effort", "low")
+    done = subprocess.run(argv, input=script, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    out = done.stdout
+    assert re.search(r"prompt: \d+ tokens, 0 reused from the cache \(none\), \d+ prefilled", out)
+    for line in ("[thinking off]", f"[saved to {path}]", "[new conversation]",
+                 f"[loaded {path}: 4 messages]", "thinking: on; 2 messages"):
+        assert line in out
+    assert done.stderr.splitlines() == ["error: unknown command '/nope' (/help lists them)",
+                                        "error: /save needs a file path"]
+    assert path.is_file()
+
+
+def expect(fd, pattern, log, timeout=60.0):
+    """Read the pseudo-terminal until `pattern` matches the text read since the last match."""
+    start, deadline = len(log[0]), time.monotonic() + timeout
+    while not re.search(pattern, log[0][start:], re.S):
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"timed out waiting for {pattern!r}; got {log[0][start:]!r}"
+        if select.select([fd], [], [], remaining)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                chunk = b""
+            assert chunk, f"terminal closed waiting for {pattern!r}; got {log[0][start:]!r}"
+            log[0] += chunk.decode(errors="replace")
+
+
+def wait_for_exit(pid, fd, log, timeout=60.0):
+    """The child's exit status, reading its terminal meanwhile (a full terminal would block it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                log[0] += os.read(fd, 4096).decode(errors="replace")
+            except OSError:
+                pass
+    raise AssertionError(f"the chat did not exit; terminal: {log[0]!r}")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_repl_in_a_terminal_survives_ctrl_c():
+    import pty
+
+    argv, env = chat_command("-m", "200")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat, with the terminal as its controlling tty
+        os.execvpe(argv[0], argv, env)
+    log, status = [""], None
+    try:
+        expect(fd, r">> $", log)
+        for message in ("Hello", "Again"):
+            os.write(fd, message.encode() + b"\r")
+            expect(fd, message + r"\r\n.", log)  # the echo, then the reply starts
+            os.write(fd, b"\x03")
+            expect(fd, r"\[interrupted\]\r\n>> $", log)
+        os.write(fd, b"/stats\r")
+        expect(fd, r"reused from the cache \(prompt snapshot\).*\(interrupted\).*>> $", log)
+        os.write(fd, b"\x03")  # Ctrl-C at the prompt leaves
+        status = wait_for_exit(pid, fd, log)
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, log[0]
+    assert "Traceback" not in log[0]

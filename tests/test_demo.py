@@ -1,0 +1,132 @@
+"""The demo checkpoint and its tokenizer, `mlx_v41.demo`, `--model demo`, the random-checkpoint
+generator the demo installs with the package, and the examples."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlx_v41
+from mlx_v41 import chat_format as cf
+from mlx_v41 import random_checkpoint
+from mlx_v41.demo import (CHAT_SPECIALS, MARKER, ensure_demo_checkpoint, write_demo_tokenizer)
+from mlx_v41.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDENS = REPO / "tests" / "data" / "goldens"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo checkpoint as `--model demo` finds it, under a private cache root."""
+    root, before = tmp_path_factory.mktemp("xdg"), os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(root)  # restored below; `load("demo")` reads it
+    try:
+        yield ensure_demo_checkpoint(), root
+    finally:
+        if before is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+
+
+def test_package_configs_are_the_goldens():
+    for name, make in (("tiny", random_checkpoint.tiny_text_config),
+                       ("schedule", random_checkpoint.schedule_text_config)):
+        text = (GOLDENS / name / "hf" / "config.json").read_text()
+        assert json.dumps(random_checkpoint.root_config(make()), indent=2) == text.strip()
+
+
+def test_factory_gives_512_token_checkpoints_the_golden_tokenizer(tmp_path):
+    from checkpoint_factory import TINY_HF, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "a", engram=False)
+    assert (folder / "tokenizer.json").read_bytes() == (TINY_HF / "tokenizer.json").read_bytes()
+    config = random_checkpoint.tiny_text_config(vocab_size=600, engram_compressed_vocab_size=300)
+    folder = random_checkpoint.write_checkpoint(tmp_path / "b", config)
+    token_map = json.loads((folder / "engram_token_map.json").read_text())
+    assert len(token_map) == 600 and max(token_map) == 299
+    assert not (folder / "tokenizer.json").exists()
+
+
+def test_demo_tokenizer(tmp_path):
+    write_demo_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (cf.BOS, cf.EOS, cf.PAD, *CHAT_SPECIALS)}
+    assert list(ids.values()) == [0, 1, 2, *range(504, 512)] and len(tokenizer) == 512
+    assert tokenizer.missing_chat_tokens == [] and tokenizer.eos_token_ids == {1}
+    text = "Zürich 東京 🙂, two plus two"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert len(tokenizer.encode("two plus two", add_special_tokens=False)) < 12  # merges
+
+
+def test_demo_checkpoint_is_built_once(demo, tmp_path):
+    folder, root = demo
+    assert folder == root / "mlx_v41" / "demo-v1" and (folder / MARKER).is_file()
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert ensure_demo_checkpoint() == folder
+    assert (folder / "config.json").stat().st_mtime_ns == stamp
+    config = json.loads((folder / "config.json").read_text())
+    assert config["image_token_id"] == 511 and config["text_config"]["dspark_noise_token_id"] == 504
+    assert not list(folder.parent.glob(".*tmp"))  # the staging folder was renamed into place
+
+
+def test_load_demo_and_generate(demo):
+    model, tokenizer = mlx_v41.load("demo")
+    assert model.args.text_config.vocab_size == 512
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert prompt.endswith(f"{cf.ASSISTANT}{cf.THINK_START}")  # thinking mode by default
+    responses = list(mlx_v41.stream_generate(model, tokenizer, prompt, max_tokens=2))
+    assert 1 <= len(responses) <= 2 and responses[-1].finish_reason in ("stop", "length")
+
+
+def run(args, root):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(root)}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_demo_command_shows_every_stage(demo):
+    _, root = demo
+    done = run(["-m", "mlx_v41.demo", "-m", "3"], root)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    out = done.stdout
+    assert "text below is random" in out
+    for stage in ("[1] checkpoint:", "[2] load:", "[3] chat format:", "[4] prefill + decode",
+                  "Prompt:", "Generation:", "Peak memory:", "[5] second turn", "[6] cache:"):
+        assert stage in out
+
+
+def test_generate_command_with_the_demo_model(demo, capsys):
+    from mlx_v41.generate import main
+
+    assert main(["--model", "demo", "-p", "Hi", "-m", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "demo model: a tiny random checkpoint, so the text is random\n"
+    assert "Generation: " in out and "Peak memory:" in out
+
+
+@pytest.mark.parametrize("script, expected", [
+    ("generate.py", "generated at"),
+    ("chat_loop.py", "new prompt tokens, cache at"),
+    ("inspect_cache.py", "global-KV bytes per token"),
+])
+def test_examples(demo, script, expected, monkeypatch, capsys):
+    folder, _ = demo
+    path = REPO / "examples" / script
+    assert len(path.read_text().splitlines()) < 50
+    stream = mlx_v41.stream_generate
+
+    def short(*args, max_tokens=256, **kwargs):  # 2 tokens are enough to run every line
+        return stream(*args, max_tokens=min(max_tokens, 2), **kwargs)
+
+    monkeypatch.setattr(mlx_v41, "stream_generate", short)
+    monkeypatch.setattr(sys, "argv", [str(path), str(folder)])
+    runpy.run_path(str(path), run_name="__main__")
+    assert expected in capsys.readouterr().out

@@ -1,0 +1,341 @@
+"""`mlx_v41.load` / `generate` / `stream_generate`, the tokenizer and the `mlx_v41.generate` CLI,
+on the tiny golden checkpoint (greedy, a few tokens)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+import mlx_v41
+from mlx_v41 import chat_format as cf
+from mlx_v41.cache import CacheError
+from mlx_v41.generate import (PromptCache, PromptTooLongError, main, reuse_prompt_cache,
+                              setup_arg_parser, stream_generate)
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "data" / "goldens" / "tiny" / "hf"
+RULE = "=" * 10
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return mlx_v41.load(GOLDEN)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """The greedy continuation of the default chat prompt, by the model called directly."""
+    model, tokenizer = loaded
+    return greedy_reference(model, chat_ids(tokenizer), 3)
+
+
+@pytest.fixture
+def cached_load(monkeypatch):
+    """The CLI's `load`, memoised: CLI tests load each checkpoint once."""
+    import functools
+
+    module = sys.modules["mlx_v41.generate"]  # `mlx_v41.generate` is the function
+    monkeypatch.setattr(module, "load", functools.lru_cache(None)(mlx_v41.load))
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """The tiny golden with a 40-token context."""
+    folder = tmp_path_factory.mktemp("short") / "hf"
+    shutil.copytree(GOLDEN, folder)
+    os.chmod(folder / "config.json", 0o644)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 40
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def greedy_reference(model, ids, n):
+    """The model called directly: prefill, then argmax one token at a time."""
+    cache = model.make_cache()
+    logits = model.prefill(mx.array([ids]), cache)[:, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits, axis=-1).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)[:, -1]
+    return out
+
+
+def chat_ids(tokenizer, text="Hello there", thinking=False):
+    return tokenizer.encode_chat([{"role": "user", "content": text}], thinking)
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+# ---------------------------------------------------------------- API
+
+def test_stream_generate_matches_the_model_greedy(loaded, reference):
+    model, tokenizer = loaded
+    ids = chat_ids(tokenizer)
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=3))
+    tokens = [r.token for r in responses]
+    assert tokens == reference
+    assert [r.generation_tokens for r in responses] == [1, 2, 3]
+    assert [r.finish_reason for r in responses] == [None, None, "length"]
+    last = responses[-1]
+    assert last.prompt_tokens == len(ids) and last.prompt_tps > 0 and last.generation_tps > 0
+    assert last.peak_memory > 0 and last.logprobs.shape == (model.args.text_config.vocab_size,)
+    text = "".join(r.text for r in responses)
+    assert text == tokenizer.decode(tokens, skip_special_tokens=False)
+    first = tokenizer.decode(tokens[:1], skip_special_tokens=False)
+    assert mlx_v41.generate(model, tokenizer, ids, max_tokens=1) == first
+
+
+def test_text_prompt_gets_one_bos(loaded):
+    model, tokenizer = loaded
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                             enable_thinking=False)
+    assert rendered == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    assert tokenizer.encode_prompt(rendered) == chat_ids(tokenizer, "Hi")
+    assert tokenizer.encode_prompt("Hi")[0] == 0
+    first = next(iter(stream_generate(model, tokenizer, "Hi", max_tokens=1)))
+    assert first.prompt_tokens == len(tokenizer.encode_prompt("Hi"))
+
+
+def test_stops_on_eos_and_feeds_it(loaded):
+    model, tokenizer = loaded
+    eos = tokenizer.convert_tokens_to_ids(cf.EOS)
+    assert tokenizer.eos_token_ids == {eos}
+    steps = []
+
+    def eos_third(history, logits):  # force EOS at the third generated token
+        steps.append(1)
+        bonus = (mx.arange(logits.shape[-1]) == eos) * (1e9 if len(steps) == 3 else 0.0)
+        return logits + bonus
+
+    ids, cache = chat_ids(tokenizer), model.make_cache()
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=10, prompt_cache=cache,
+                                     logits_processors=[eos_third]))
+    assert responses[-1].finish_reason == "stop" and responses[-1].token == eos
+    assert responses[-1].generation_tokens == 3 and cf.EOS not in "".join(r.text for r in responses)
+    assert cache[0].offset == len(ids) + 3  # every yielded token was fed, EOS included
+
+
+def test_sampling_is_seeded(loaded, reference):
+    model, tokenizer = loaded
+    ids = chat_ids(tokenizer)
+
+    def sample(seed, **kwargs):
+        mx.random.seed(seed)
+        return [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=2,
+                                                 sampler=make_sampler(**kwargs))]
+
+    args = dict(temp=1.5, top_p=0.9, min_p=0.01, top_k=50)
+    assert sample(7, **args) == sample(7, **args)
+    assert sample(7, temp=1.0, top_k=1) == reference[:2]
+
+
+def test_streaming_never_splits_a_character(loaded):
+    _, tokenizer = loaded
+    text = "héllo wörld 中文 🙂 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # multi-byte characters span several tokens
+    detokenizer, segments = tokenizer.detokenizer, []
+    for token in ids:
+        detokenizer.add_token(token)
+        segments.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    segments.append(detokenizer.last_segment)
+    assert "".join(segments) == text and not any("\ufffd" in s for s in segments)
+    assert "" in segments  # held back until the character's last byte
+    noise = [int(t) for t in mx.random.randint(0, 512, (300,), key=mx.random.key(3)).tolist()]
+    detokenizer.reset()
+    for token in noise:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text == tokenizer.decode(noise, skip_special_tokens=False)
+
+
+def test_chat_tokens_are_single_tokens(loaded):
+    _, tokenizer = loaded
+    assert tokenizer.missing_chat_tokens == []
+    for token in (cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK_START, cf.THINK_END):
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1
+
+
+def test_continuing_a_prompt_cache_equals_one_shot(loaded, reference):
+    model, tokenizer = loaded
+    ids = chat_ids(tokenizer)
+    cache = model.make_cache()
+    mx.eval(model.prefill(mx.array([ids[:-5]]), cache))
+    split = [r.token for r in stream_generate(model, tokenizer, ids[-5:], max_tokens=2,
+                                              prompt_cache=cache)]
+    assert split == reference[:2]
+
+
+def test_prompt_cache_rewind(loaded):
+    model, _ = loaded
+    # Right after a CED prefill the last decoder layer holds only its halo rows, so one token
+    # can be rolled back; decoding refills the rings.
+    prompt = list(range(3, 40))
+    other, far = prompt[:36] + [7, 8], prompt[:30] + [7]
+    cache = model.make_cache()
+    mx.eval(model.prefill(mx.array([prompt]), cache))
+    state = PromptCache(cache, list(prompt))
+    assert state.copy().rewind_for(prompt) == len(prompt) - 1  # one token left to run
+    assert state.copy().rewind_for(other) == 36
+    assert state.copy().rewind_for(far) is None  # 7 tokens back: beyond what the rings hold
+    assert cache[0].offset == len(prompt) and state.tokens == prompt  # candidates untouched
+    best, index = reuse_prompt_cache(model, other, [None, state])
+    assert index == 1 and best.tokens == other[:36] and best.cache[0].offset == 36
+    fresh, index = reuse_prompt_cache(model, far, [state])
+    assert index is None and fresh.tokens == [] and fresh.cache[0].offset == 0
+    with pytest.raises(CacheError):
+        mlx_v41.trim_cache(cache, 7)
+
+
+def test_context_limit(short_context):
+    model, tokenizer = mlx_v41.load(short_context)
+    with pytest.raises(PromptTooLongError, match="max_position_embeddings"):
+        next(stream_generate(model, tokenizer, list(range(3, 43))))
+    responses = list(stream_generate(model, tokenizer, list(range(3, 38)), max_tokens=10))
+    assert responses[-1].generation_tokens == 5 and responses[-1].finish_reason == "length"
+
+
+def test_load_from_the_hub(monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo, allow_patterns):
+        calls.append((repo, allow_patterns))
+        if repo == "someone/missing":
+            raise huggingface_hub.errors.RepositoryNotFoundError("404 Client Error")
+        return str(GOLDEN)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    model, tokenizer = mlx_v41.load("deepseek-ai/tiny")
+    assert calls[0] == ("deepseek-ai/tiny", ["*.json", "*.safetensors"])
+    assert model.args.text_config.vocab_size == 512 and len(tokenizer) == 512
+    with pytest.raises(mlx_v41.CheckpointError, match="someone/missing.*Hugging Face"):
+        mlx_v41.load("someone/missing")
+
+
+# ---------------------------------------------------------------- CLI
+
+def run_cli(capsys, *argv, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        import io
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(["--model", str(GOLDEN), *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_prints_the_stream_stats_and_progress(capsys, loaded, reference, cached_load):
+    _, tokenizer = loaded
+    code, out, err = run_cli(capsys, "-p", "Hello there", "-m", "3", "--no-thinking",
+                             "--prefill-step-size", "4")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == RULE and lines[-4] == RULE
+    assert "\n".join(lines[1:-4]) == tokenizer.decode(reference, skip_special_tokens=False)
+    n = len(chat_ids(tokenizer))
+    assert lines[-3].startswith(f"Prompt: {n} tokens, ") and lines[-3].endswith("tokens-per-sec")
+    assert lines[-2].startswith("Generation: 3 tokens, ")
+    assert lines[-1].startswith("Peak memory: ") and lines[-1].endswith(" GB")
+    assert f"\rprefill 4/{n} tokens, " in err and f"\rprefill {n}/{n} tokens, " in err
+
+
+def test_cli_prompt_options(capsys, monkeypatch, loaded, cached_load):
+    _, tokenizer = loaded
+    code, out, _ = run_cli(capsys, "-p", "-", "--system-prompt", "Be brief.",
+                           "--reasoning-effort", "max", "-m", "1", stdin="Hi",
+                           monkeypatch=monkeypatch)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    n = len(tokenizer.encode_chat(messages, thinking=True, reasoning_effort="max"))
+    assert code == 0 and f"Prompt: {n} tokens" in out
+    code, out, _ = run_cli(capsys, "-p", "raw text", "--ignore-chat-template", "-m", "1",
+                           "--temp", "0.8", "--top-p", "0.9", "--min-p", "0.1", "--top-k", "5",
+                           "--seed", "3", "--prefill-mode", "full")
+    assert code == 0 and f"Prompt: {len(tokenizer.encode_prompt('raw text'))} tokens" in out
+
+
+def test_cli_prompt_cache_file(capsys, tmp_path, cached_load):
+    path = tmp_path / "prompt.safetensors"
+    first = run_cli(capsys, "-p", "Hello there", "-m", "2", "--prompt-cache-file", str(path))
+    assert first[0] == 0 and path.is_file() and "prompt cache" not in first[2]
+    second = run_cli(capsys, "-p", "Hello there", "-m", "2", "--prompt-cache-file", str(path))
+    n = int(first[1].split("Prompt: ")[1].split()[0])
+    assert f"prompt cache: reusing {n - 1} of {n} prompt tokens" in second[2]
+    assert "Prompt: 1 tokens" in second[1]
+    text = lambda out: out.split(RULE)[1]  # noqa: E731
+    assert text(second[1]) == text(first[1])
+
+
+def test_cli_bad_input(capsys, tmp_path, short_context):
+    assert main(["--model", str(tmp_path / "nope")]) == 1
+    assert "model folder not found" in one_line(capsys.readouterr().err)
+    (tmp_path / "config.json").write_text((GOLDEN / "config.json").read_text())
+    assert main(["--model", str(tmp_path)]) == 1
+    assert "tokenizer.json not found" in one_line(capsys.readouterr().err)
+    shutil.copy(GOLDEN / "tokenizer.json", tmp_path)
+    assert main(["--model", str(tmp_path)]) == 1
+    assert "model.safetensors.index.json" in one_line(capsys.readouterr().err)
+    for flags in (["--prefill-mode", "fast"], ["--reasoning-effort", "medium"], ["-m", "0"],
+                  ["--temp", "hot"], ["--top-p", "2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model", str(GOLDEN), *flags])
+        assert exit_info.value.code == 2 and "error: argument" in one_line(capsys.readouterr().err)
+    assert main(["--model", str(short_context), "-p", "word " * 50]) == 1
+    assert "context is 40 tokens" in one_line(capsys.readouterr().err)
+
+
+def test_help_marks_ced_replay_approximate():
+    text = " ".join(setup_arg_parser().format_help().split())
+    assert "ced_replay" in text and "APPROXIMATE" in text
+
+
+def test_console_scripts_and_dispatch(capsys, cached_load):
+    text = (REPO / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    scripts = dict(re.findall(r'"([^"]+)"\s*=\s*"([^"]+)"', text))
+    for name in ("mlx_v41.generate", "mlx_v41.chat", "mlx_v41.demo"):
+        module, function = scripts[name].split(":")
+        assert callable(getattr(__import__(module, fromlist=[function]), function))
+    from mlx_v41.__main__ import main as dispatch
+
+    assert dispatch(["generate", "--model", str(GOLDEN), "-p", "Hi", "-m", "1"]) == 0
+    assert "Generation: 1 tokens" in capsys.readouterr().out
+    assert dispatch(["bogus"]) == 2 and "unknown command" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- subprocesses
+
+def cli(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return [sys.executable, *args], env
+
+
+def test_python_m_generate_and_ctrl_c():
+    """`python -m mlx_v41.generate` starts without warnings; Ctrl-C ends it with one line."""
+    argv, env = cli("-m", "mlx_v41.generate", "--model", str(GOLDEN), "-p", "Hi", "-m", "400")
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout.readline() == RULE + "\n"  # generation has started
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and err == "\n[interrupted]\n"

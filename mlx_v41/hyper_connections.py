@@ -21,6 +21,16 @@ def _constants(n: int, eps: float):
 
 
 def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
+    """Sinkhorn normalisation of [..., n, n] mixes (compiled once per iters/eps)."""
+    return _compiled_sinkhorn(iters, eps)(comb)
+
+
+@functools.cache
+def _compiled_sinkhorn(iters: int, eps: float):
+    return mx.compile(functools.partial(_sinkhorn, iters=iters, eps=eps))
+
+
+def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
     """Row softmax, then alternate column/row normalisation; the last step normalises columns.
 
     Each normalisation is one `addmm` (the sums, already broadcast, plus eps) and one divide:

@@ -7,6 +7,8 @@ what `w2`'s FP8 input rounding sees).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -55,9 +57,19 @@ class SwitchLinear(nn.Module):
 
 
 def clamped_swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """fp32 `silu(min(g, limit)) * clip(u, -limit, limit)` (compiled per limit)."""
+    return _compiled_swiglu(limit)(gate, up)
+
+
+def _swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
     gate = mx.minimum(gate.astype(mx.float32), limit)
     up = mx.clip(up.astype(mx.float32), -limit, limit)
     return gate * mx.sigmoid(gate) * up
+
+
+@functools.cache
+def _compiled_swiglu(limit: float):
+    return mx.compile(functools.partial(_swiglu, limit=limit))
 
 
 class SwitchMLP(nn.Module):

@@ -37,8 +37,8 @@ DEFAULT_TOP_K = 0
 DEFAULT_PREFILL_STEP_SIZE = 2048
 PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder halo; full: "
                      "every layer over every prompt row, like the reference; ced_replay: the "
-                     "tech report's bounded replay, faster on long prompts but APPROXIMATE "
-                     "(its logits differ from ced/full)")
+                     "tech report's bounded replay, APPROXIMATE (its logits differ from "
+                     "ced/full)")
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors"]  # all a published checkpoint needs
 

@@ -75,11 +75,34 @@ def prefill_speed(folder: Path, prompt: int, step: int) -> dict:
     return results
 
 
+def peak_memory(folder: Path, prompt: int, step: int) -> dict:
+    """Peak MLX memory (bytes, weights included) during one prefill, each model on its own."""
+    from mlx_lm.utils import load_model
+
+    ids = mx.array(np.random.default_rng(2).integers(3, 500, (1, prompt)), dtype=mx.int32)
+    results = {}
+    model = mlx_v41.load_model(folder)
+    mx.reset_peak_memory()
+    mx.eval(model.prefill(ids, model.make_cache(), step_size=step))
+    results["mlx_v41 ced"] = mx.get_peak_memory()
+    del model
+    gc.collect()
+    theirs, _ = load_model(folder)
+    mx.reset_peak_memory()
+    cache = theirs.make_cache()
+    for i in range(0, prompt, step):
+        mx.eval(theirs(ids[:, i:i + step], cache=cache)[:, -1])
+    results["mlx-lm"] = mx.get_peak_memory()
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--window", type=int, default=8, help="sliding_window (published 128)")
     parser.add_argument("--prompt-halos", type=int, default=8, help="prompt length in halos")
     parser.add_argument("--step", type=int, default=512, help="prefill chunk")
+    parser.add_argument("--memory", type=int, nargs="*", default=[],
+                        help="also report peak memory of prefills of these lengths (e.g. 8192)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         real = Path(tmp) / "real_widths"
@@ -99,6 +122,10 @@ def main():
             print(f"  {name:14s} {value:8.1f} tok/s")
         print(f"  CED / full {speeds['mlx_v41 ced'] / speeds['mlx_v41 full']:.2f}x, "
               f"CED / mlx-lm {speeds['mlx_v41 ced'] / speeds['mlx-lm']:.2f}x")
+        for length in args.memory:
+            peaks = peak_memory(small, length, args.step)
+            print(f"peak memory, {length}-token prefill: " + ", ".join(
+                f"{name} {value / 2**20:.1f} MiB" for name, value in peaks.items()))
 
 
 if __name__ == "__main__":

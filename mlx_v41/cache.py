@@ -24,6 +24,7 @@ from .kernels.swa_ring import swa_ring_update
 from .quant import unpack_fp4_e8m0, unpack_fp8_e8m0
 
 GROW_STEP = 256  # rows added when a compressed cache fills
+ENGRAM_KEPT = 512  # Engram ids kept: > the most a trim can undo (one ring) + the n-gram history
 RING_FACTOR = 2  # ring capacity in windows: the spare half holds rows a rollback may restore
 
 
@@ -167,7 +168,8 @@ class CompressedKV:
 
 class LayerCache:
     """All state of one layer. `compressed` only for kv owners; `engram_ids` (compressed token
-    ids of every position, [B, offset] int32 numpy) only for Engram layers."""
+    ids of the last ENGRAM_KEPT positions, [B, <= ENGRAM_KEPT] int32 numpy) only for Engram
+    layers: hashing needs 3, a trim at most a ring's worth."""
 
     def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
                  has_engram: bool = False):
@@ -201,7 +203,7 @@ class LayerCache:
         if self.compressed is not None:
             self.compressed.rewind(position)
         if self.engram_ids is not None:
-            self.engram_ids = self.engram_ids[:, :position]
+            self.engram_ids = self.engram_ids[:, :max(0, self.engram_ids.shape[1] - n)]
         self.offset = position
         return n
 

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .attention import Attention, ForwardContext
-from .cache import LayerCache
+from .cache import ENGRAM_KEPT, LayerCache
 from .config import ModelArgs, TextConfig
 from .engram import Engram
 from .engram_hash import EngramHasher
@@ -279,7 +279,9 @@ class Model(nn.Module):
             history[:, -tail.shape[1]:] = tail
         compressed = hasher.compress(np.array(ids))
         rows, _ = hasher.hash_compressed(compressed, history)
-        ids_so_far = np.concatenate([seen, compressed.astype(np.int32)], axis=1)
+        # Only the recent ids are kept: a full history would be copied on every token.
+        ids_so_far = np.concatenate([seen[:, -ENGRAM_KEPT:], compressed.astype(np.int32)],
+                                    axis=1)[:, -ENGRAM_KEPT:]
         for layer in layers:
             cache[layer].engram_ids = ids_so_far
         return mx.array(rows.astype(np.int32))

@@ -38,6 +38,7 @@ from mlx_v41.convert.cli import main
 from mlx_v41.converted import MANIFEST
 from mlx_v41.engram_hash import build_token_map
 from mlx_v41.layers import is_quantized
+from shard_bytes import read_shard, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = golden_checkpoint("tiny")
@@ -306,18 +307,6 @@ def test_killed_conversion_resumes_to_the_same_output(tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
-
-def read_shard(path: Path) -> tuple[dict, bytes]:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
-
-
-def write_shard(path: Path, header: dict, payload: bytes) -> None:
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + payload)
-
 
 def shard_of(folder: Path, name: str) -> Path:
     return folder / json.loads((folder / INDEX).read_text())["weight_map"][name]

@@ -23,6 +23,7 @@ from mlx_v41.layers import QuantLinear
 from mlx_v41.loader import load_weights
 from mlx_v41.model import Model
 from mlx_v41.moe import SwitchLinear
+from shard_bytes import read_shard, write_shard
 
 GOLDEN = Path(__file__).parent / "data" / "goldens" / "tiny" / "hf"
 INDEX = "model.safetensors.index.json"
@@ -40,18 +41,6 @@ def ckpt(tmp_path) -> Path:
 
 
 # ---------------------------------------------------------------- safetensors at the byte level
-
-def read_shard(path: Path) -> tuple[dict, bytes]:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
-
-
-def write_shard(path: Path, header: dict, payload: bytes) -> None:
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + payload)
-
 
 def weight_map(folder: Path) -> dict:
     return json.loads((folder / INDEX).read_text())["weight_map"]

@@ -59,13 +59,17 @@ def _sort_key(scores: mx.array) -> mx.array:
 
 
 def top_rows(scores: mx.array, k: int) -> mx.array:
-    """Indices [..., k] of the k best scores (lower index wins ties); -inf picks become -1."""
-    k = min(k, scores.shape[-1])
+    """Indices [..., k] of the k best scores (lower index wins ties), in ascending order with
+    -inf picks as trailing -1: the reference's order, which is the order attention sums the
+    selected rows in, so the result does not depend on how many rows were scored."""
+    total = scores.shape[-1]
+    k = min(k, total)
     if k == 0:
         return mx.zeros(scores.shape[:-1] + (0,), dtype=mx.int32)
     ids = mx.argpartition(-_sort_key(scores), k - 1, axis=-1)[..., :k].astype(mx.int32)
     picked = mx.take_along_axis(scores, ids, axis=-1)
-    return mx.where(picked == NEG_INF, -1, ids)
+    ids = mx.sort(mx.where(picked == NEG_INF, total, ids), axis=-1)
+    return mx.where(ids == total, -1, ids)
 
 
 def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,

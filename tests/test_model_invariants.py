@@ -42,6 +42,15 @@ def test_cached_equals_uncached_over_random_splits(tiny, prompt, seed):
     assert all(c.offset == n for c in cache)
 
 
+@pytest.mark.parametrize("step", [7, 13])
+def test_fixed_step_chunks_over_the_whole_prompt(tiny, goldens, step):
+    """Chunks of 7 once made the top-k come out in another order than one call (argpartition
+    order depends on how many rows are scored), which changed attention's summation order."""
+    ids = goldens("tiny").prompt[None].astype(mx.int32)
+    chunked, _ = _chunked(tiny, ids, range(step, ids.shape[1], step))
+    assert mx.array_equal(chunked, tiny(ids))
+
+
 def test_token_by_token_equals_prefill(tiny, prompt):
     ids = prompt[:, :40]
     chunked, _ = _chunked(tiny, ids, range(1, 40))

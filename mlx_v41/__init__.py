@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 from .cache import CacheError, cache_bytes, trim_cache
 from .config import ConfigError, ModelArgs
@@ -59,7 +60,8 @@ def _token_map(folder: Path, cfg):
                           "engram_token_map.json)")
 
 
-def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced"):
+def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
+               ced_rollback: Optional[int] = None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -71,6 +73,9 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         prefill_mode: "ced" (default: exact encoder-only prefill with the decoder halo),
             "full" (every layer over every row, like the reference) or "ced_replay" (the tech
             report's bounded replay: APPROXIMATE, opt-in).
+        ced_rollback: tokens `trim_cache` can undo right after a CED prefill; the decoder
+            halo grows by this many rows per layer. Default (None): window + 1, the same as
+            after decoding or a full prefill; 0 gives the spec's minimal halo (trim of 1).
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -84,7 +89,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         raise CheckpointError(f"{folder}: model folder not found")
     args = ModelArgs.from_file(folder / "config.json")
     model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                  prefill_mode=prefill_mode)
+                  prefill_mode=prefill_mode, ced_rollback=ced_rollback)
     token_map = None
     if is_converted(folder):
         token_map = load_converted(model, folder)

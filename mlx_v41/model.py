@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .attention import Attention, ForwardContext
-from .cache import ENGRAM_KEPT, LayerCache
+from .cache import ENGRAM_KEPT, RING_FACTOR, LayerCache
 from .config import ModelArgs, TextConfig
 from .engram import Engram
 from .engram_hash import EngramHasher
@@ -107,10 +107,16 @@ class TextModel(nn.Module):
             streams, pre = layer(streams[:, -n_in:], pre[:, -n_in:], ctx, cache, n_out)
         return self.norm(collapse(streams, pre))
 
-    def halo(self, rows: int, mode: str) -> Optional[list]:
+    def halo(self, rows: int, mode: str, rollback: int = 0) -> Optional[list]:
         """Rows each decoder layer reads and computes so the last position's logits and every
-        decoder window are exact (cache.md §4.2), or the bounded replay of §5."""
+        decoder window are exact (cache.md §4.2), or the bounded replay of §5.
+
+        `rollback` extends every decoder layer's rows so that its window ring afterwards holds
+        what a trim of that many tokens needs (window - 1 rows before the new end); 0 or 1
+        give the minimal halo of the spec (2,414 / 2,287 rows at layer 20 of the real config),
+        whose last layer writes `window` rows and so already allows a trim of 1."""
         n, w = len(self.layers), self.window
+        extra = max(0, rollback - 1)
         if mode == "full":
             return None
         if mode == "ced_replay":
@@ -118,8 +124,8 @@ class TextModel(nn.Module):
             return [(span, span)] * (n - self.decoder_start)
         spans = []
         for layer in range(self.decoder_start, n):
-            k = w + (n - 1 - layer) * (w - 1)
-            o = 1 if layer == n - 1 else w + (n - 2 - layer) * (w - 1)
+            k = w + extra + (n - 1 - layer) * (w - 1)
+            o = 1 if layer == n - 1 else w + extra + (n - 2 - layer) * (w - 1)
             spans.append((min(rows, k), min(rows, o)))
         return spans
 
@@ -145,11 +151,19 @@ class Model(nn.Module):
     """`logits = model(ids, cache=cache)`: ids int [B, S], logits float32 [B, S, vocab]."""
 
     def __init__(self, args: ModelArgs, compat_reference_index_k_bug: bool = False,
-                 prefill_mode: str = "ced"):
+                 prefill_mode: str = "ced", ced_rollback: Optional[int] = None):
         super().__init__()
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         cfg = args.text_config
+        # Tokens a trim can undo right after a CED prefill. Default: what the window rings
+        # allow after decoding too (window + 1), so every prefill mode trims alike.
+        most = RING_FACTOR * cfg.sliding_window - cfg.sliding_window + 1
+        ced_rollback = most if ced_rollback is None else ced_rollback
+        if not (isinstance(ced_rollback, int) and 0 <= ced_rollback <= most):
+            raise ValueError(f"ced_rollback must be an int in [0, {most}] (window + 1), got "
+                             f"{ced_rollback!r}")
+        self.ced_rollback = ced_rollback
         self.args, self.cfg = args, cfg
         self.model = TextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -229,7 +243,7 @@ class Model(nn.Module):
         over the halo rows of the whole call (cache.md §4; §5 for `ced_replay`)."""
         start = cache[0].offset
         end = start + sum(c.shape[1] for c in chunks)
-        halo = self.model.halo(end - start, mode)
+        halo = self.model.halo(end - start, mode, self.ced_rollback)
         keep = halo[0][0] if halo else 1
         kept_streams, kept_pre = [], []
         for chunk in chunks:

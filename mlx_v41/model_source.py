@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 from .safetensors_io import CheckpointError
 
@@ -43,7 +44,8 @@ def _download(repo: str) -> Path:
                               f"({type(e).__name__}: {line})") from None
 
 
-def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False):
+def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
+         ced_rollback: Optional[int] = None):
     """Load a model and its tokenizer.
 
     Args:
@@ -51,6 +53,7 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
             "demo" (a tiny random checkpoint built once in ~/.cache/mlx_v41; see mlx_v41.demo).
         prefill_mode: "ced" (exact, default), "full" or "ced_replay" (APPROXIMATE).
         compat_reference_index_k_bug: reproduce the reference's index-key defect (parity only).
+        ced_rollback: tokens a trim can undo right after a CED prefill (see load_model).
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:
@@ -64,5 +67,5 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     args = ModelArgs.from_file(folder / "config.json")
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                       prefill_mode=prefill_mode)
+                       prefill_mode=prefill_mode, ced_rollback=ced_rollback)
     return model, tokenizer

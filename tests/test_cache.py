@@ -70,12 +70,20 @@ def test_ced_prefill_equals_full_prefill(prompt, n):
 
 def test_ced_skips_decoder_rows(prompt):
     model = _model("ced")
+    # The spec's halo, then the default one extended for a rollback of window + 1 = 17.
     assert model.model.halo(201, "ced") == [(76, 61), (61, 46), (46, 31), (31, 16), (16, 1)]
+    assert model.ced_rollback == 17
+    assert model.model.halo(201, "ced", 17) == [(92, 77), (77, 62), (62, 47), (47, 32),
+                                                 (32, 1)]
     captured = {}
     model(prompt, last_only=True, capture=captured)
-    assert captured["layers.7.out"].shape[1] == 61
+    assert captured["layers.7.out"].shape[1] == 77
     assert captured["layers.11.out"].shape[1] == 1
     assert captured["layers.6.out"].shape[1] == 201
+    minimal = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=0)
+    minimal(prompt, last_only=True, capture=captured)
+    assert captured["layers.7.out"].shape[1] == 61
+    assert mx.array_equal(minimal(prompt, last_only=True), model(prompt, last_only=True))
 
 
 def test_ced_replay_is_approximate(prompt):
@@ -121,13 +129,36 @@ def test_trim_then_redo(prompt, mode, n):
         assert mx.array_equal(a, b)
 
 
+@pytest.mark.parametrize("rollback,n", [(17, 17), (17, 8), (5, 5), (0, 1)])
+def test_trim_right_after_ced_prefill(prompt, rollback, n):
+    """The CED halo is extended so the decoder rings hold what a trim of `ced_rollback`
+    tokens needs: trimming then continuing equals a full prefill of the shorter prompt."""
+    model = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=rollback)
+    full = _model("full")
+    cache = model.make_cache()
+    model.prefill(prompt[:, :150], cache, step_size=64)
+    assert min(c.max_trim() for c in cache) == max(rollback, 1)
+    trim_cache(cache, n)
+    reference = full.make_cache()
+    full.prefill(prompt[:, :150 - n], reference)
+    for x, y in zip(_packed_state(reference), _packed_state(cache)):
+        assert mx.array_equal(x, y)
+    step = prompt[:, 150 - n:160 - n]
+    assert mx.array_equal(model(step, cache=cache), full(step, cache=reference))
+
+
+def test_ced_rollback_must_fit_the_ring():
+    with pytest.raises(ValueError, match=r"ced_rollback must be an int in \[0, 17\]"):
+        mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=18)
+
+
 def test_trim_too_far_is_refused_and_changes_nothing(prompt):
-    model = _model("ced")
+    model = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=3)
     cache = model.make_cache()
     model.prefill(prompt[:, :100], cache)
     before = _packed_state(cache)
-    with pytest.raises(CacheError, match="at most 1"):
-        trim_cache(cache, 5)      # the CED prefill kept only layer 11's last window
+    with pytest.raises(CacheError, match="at most 3"):
+        trim_cache(cache, 5)      # the CED prefill kept 3 tokens of rollback in layer 11
     with pytest.raises(CacheError, match="holds 100"):
         trim_cache(cache, 101)
     assert cache[0].offset == 100

@@ -185,23 +185,23 @@ def test_continuing_a_prompt_cache_equals_one_shot(loaded, reference):
 
 def test_prompt_cache_rewind(loaded):
     model, _ = loaded
-    # Right after a CED prefill the last decoder layer holds only its halo rows, so one token
-    # can be rolled back; decoding refills the rings.
-    prompt = list(range(3, 40))
-    other, far = prompt[:36] + [7, 8], prompt[:30] + [7]
+    # A cache can be rolled back by up to window + 1 = 17 tokens, also right after a CED
+    # prefill (its decoder halo keeps that much); further back it is refused, untouched.
+    prompt = list(range(3, 63))
+    near, far = prompt[:50] + [7, 8], prompt[:30] + [7]
     cache = model.make_cache()
     mx.eval(model.prefill(mx.array([prompt]), cache))
     state = PromptCache(cache, list(prompt))
     assert state.copy().rewind_for(prompt) == len(prompt) - 1  # one token left to run
-    assert state.copy().rewind_for(other) == 36
-    assert state.copy().rewind_for(far) is None  # 7 tokens back: beyond what the rings hold
+    assert state.copy().rewind_for(near) == 50
+    assert state.copy().rewind_for(far) is None  # 30 tokens back: beyond what the rings hold
     assert cache[0].offset == len(prompt) and state.tokens == prompt  # candidates untouched
-    best, index = reuse_prompt_cache(model, other, [None, state])
-    assert index == 1 and best.tokens == other[:36] and best.cache[0].offset == 36
+    best, index = reuse_prompt_cache(model, near, [None, state])
+    assert index == 1 and best.tokens == near[:50] and best.cache[0].offset == 50
     fresh, index = reuse_prompt_cache(model, far, [state])
     assert index is None and fresh.tokens == [] and fresh.cache[0].offset == 0
     with pytest.raises(CacheError):
-        mlx_v41.trim_cache(cache, 7)
+        mlx_v41.trim_cache(cache, 18)
 
 
 def test_context_limit(short_context):

@@ -14,13 +14,16 @@ import mlx.nn as nn
 from .cache import LayerCache
 from .compressor import Compressor
 from .config import TextConfig
-from .indexer import NEG_INF, Indexer, candidate_pool, top_rows, visible_rows
+from .indexer import (NEG_INF, Indexer, candidate_blocks, expand_blocks, top_rows,
+                      visible_rows)
 from .layer_roles import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized
 from .kernels import Kernels
 from .kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq
 from .rope import shared_rope
+
+SCORE_BLOCK_ELEMENTS = 1 << 20  # query rows x index heads x cached rows scored at once
 
 @dataclass
 class ForwardContext:
@@ -32,7 +35,7 @@ class ForwardContext:
     compat_index_k_bug: bool = False
     compat_index_k_source: Optional[int] = None
     selections: dict = field(default_factory=dict)   # topk owner -> [B, rows, k] (-1 empty)
-    pool: Optional[mx.array] = None                  # candidate mask [B, rows, T]
+    pool: Optional[mx.array] = None                  # candidate blocks [B, rows, blocks]
     engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
     precompressed: set = field(default_factory=set)  # layers whose compressor already ran
     truncate_window: bool = False                    # bounded replay: no rows before the span
@@ -151,30 +154,47 @@ class Attention(nn.Module):
         if total == 0:
             rows = mx.zeros((x.shape[0], n, 0), dtype=mx.int32)
         else:
-            scores = self.indexer.scores(x, qr, ctx.end - n, self.rope,
-                                         self._index_keys(ctx, owner))
-            pos = ctx.positions(n)
-            scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
-            if role.is_candidate_source:
-                ctx.pool = candidate_pool(scores, pos, role.ratio, self.pool_blocks,
-                                          self.pool_block)
-            elif role.uses_candidates and ctx.pool is not None:
-                scores = mx.where(ctx.pool[:, -n:], scores, NEG_INF)
-            ctx.record(f"layers.{role.layer}.indexer.score", scores)
-            rows = top_rows(scores, self.topk)
+            keys = self._index_keys(ctx, owner)
+            # Query rows in blocks: the [rows, heads, T] score intermediates stay bounded at
+            # any context length (every row is scored and selected independently).
+            step = max(1, SCORE_BLOCK_ELEMENTS // (self.indexer.n_heads * total))
+            pools = ctx.pool[:, -n:] if role.uses_candidates and ctx.pool is not None else None
+            parts, members, captured = [], [], []
+            for i in range(0, n, step):
+                j = min(n, i + step)
+                pos = mx.arange(ctx.end - n + i, ctx.end - n + j)
+                scores = self.indexer.scores(x[:, i:j], qr[:, i:j], ctx.end - n + i,
+                                             self.rope, keys)
+                scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
+                if role.is_candidate_source:
+                    members.append(candidate_blocks(scores, pos, role.ratio, self.pool_blocks,
+                                                    self.pool_block))
+                elif pools is not None:
+                    pool = expand_blocks(pools[:, i:j], self.pool_block, total)
+                    scores = mx.where(pool, scores, NEG_INF)
+                if ctx.capture is not None:
+                    captured.append(scores)
+                parts.append(top_rows(scores, self.topk))
+            rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+            if members:
+                ctx.pool = members[0] if len(members) == 1 else mx.concatenate(members, axis=1)
+            if captured:
+                ctx.record(f"layers.{role.layer}.indexer.score",
+                           mx.concatenate(captured, axis=1))
         ctx.record(f"layers.{role.layer}.indexer.topk", rows)
         ctx.selections[role.layer] = rows
         return rows
 
     def _index_keys(self, ctx: ForwardContext, owner) -> mx.array:
-        """Own index keys; with the compat switch, the reference's stale handle (D1)."""
+        """Own packed index keys; with the compat switch, the reference's stale handle (D1)."""
         role = self.role
         stale = (ctx.compat_index_k_bug and role.owns_index_k and role.ratio > 1
                  and ctx.compat_index_k_source is not None and ctx.end - ctx.start == 1
                  and ctx.start % 2 == 0)
         if stale:
-            return ctx.caches[ctx.compat_index_k_source].compressed.index_keys(owner.count)
-        return owner.index_keys()
+            return ctx.caches[ctx.compat_index_k_source].compressed.packed_index_keys(
+                owner.count)
+        return owner.packed_index_keys()
 
     def compress(self, x, ctx: ForwardContext, cache: LayerCache) -> None:
         """Append the owner's global rows for the call's positions (x covers all of them)."""

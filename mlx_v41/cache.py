@@ -139,9 +139,14 @@ class CompressedKV:
         """Packed main-KV rows [B, count, bytes]; attention decodes only what it selects."""
         return self.kv[:, :self.count]
 
+    def packed_index_keys(self, rows: Optional[int] = None) -> mx.array:
+        """Packed index-key rows [B, rows, bytes] of rows [0, rows) (all rows by default); the
+        indexer decodes them block by block."""
+        return self.index_k[:, :self.count if rows is None else rows]
+
     def index_keys(self, rows: Optional[int] = None) -> mx.array:
         """Decoded index keys of rows [0, rows) (all rows by default)."""
-        return unpack_fp4_e8m0(self.index_k[:, :self.count if rows is None else rows])
+        return unpack_fp4_e8m0(self.packed_index_keys(rows))
 
     def rewind(self, position: int) -> None:
         """Drop the rows and open group after `position` tokens."""
@@ -206,6 +211,16 @@ class LayerCache:
             self.engram_ids = self.engram_ids[:, :max(0, self.engram_ids.shape[1] - n)]
         self.offset = position
         return n
+
+    @property
+    def state(self) -> list:
+        """The layer's arrays (mlx-lm's convention: `mx.eval([c.state for c in cache])` after a
+        prefill chunk materialises the cache and frees the graph that produced it)."""
+        arrays = [self.window.rows]
+        if self.compressed is not None:
+            kv = self.compressed
+            arrays += [kv.kv, kv.index_k, kv.inputs] + (list(kv.pending) if kv.pending else [])
+        return [a for a in arrays if a is not None]
 
     @property
     def nbytes(self) -> int:

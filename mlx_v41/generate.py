@@ -187,7 +187,9 @@ def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int]
     mx.async_eval(token, logprobs)
     for _ in range(max_tokens):
         following = sample(model(token[:, None], cache=cache))
-        mx.async_eval(*following)
+        # The cache too: state nothing reads until a trim (the compressors' input rings)
+        # would otherwise keep a graph that grows by a node per token.
+        mx.async_eval(*following, [c.state for c in cache])
         yield token.item(), logprobs
         token, logprobs = following
 

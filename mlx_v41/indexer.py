@@ -10,11 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layers import Linear, QuantLinear, RMSNorm
-from .quant import fp4_e8m0_qdq
+from .quant import fp4_e8m0_qdq, unpack_fp4_e8m0
 from .rope import RoPE
 
 NEG_INF = float("-inf")
 INDEX_BITS = 24  # row index bits in the tie-breaking sort key (16M rows)
+KEY_BLOCK = 1 << 14  # index-key rows decoded at once (8 MiB of fp32 at index_head_dim 128)
 
 
 class Indexer(nn.Module):
@@ -32,16 +33,22 @@ class Indexer(nn.Module):
         latents [B, G, d] at their group positions."""
         return rope(self.k_norm(self.k_proj(latents)), positions)
 
-    def scores(self, x, qr, positions, rope: RoPE, keys: mx.array) -> mx.array:
-        """bf16 scores [B, S, T] of each query row against every key row (no masking)."""
+    def scores(self, x, qr, positions, rope: RoPE, packed_keys: mx.array) -> mx.array:
+        """bf16 scores [B, S, T] of each query row against every packed index-key row
+        [B, T, bytes] (no masking). Keys are decoded KEY_BLOCK rows at a time, so no decoded
+        copy of the whole index-key cache is ever made."""
         batch, length, _ = x.shape
         q = self.q_b_proj(qr).reshape(batch, length, self.n_heads, self.index_dim)
         q = fp4_e8m0_qdq(rope(q, positions))
         scale = (self.index_dim ** -0.5) * (self.n_heads ** -0.5)
-        weights = (self.weights_proj(x) * scale).astype(mx.bfloat16)
-        qk = mx.einsum("bshd,btd->bsht", q, keys).astype(mx.bfloat16)
-        weighted = (mx.maximum(qk, 0) * weights[..., None]).astype(mx.bfloat16)
-        return mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16)
+        weights = (self.weights_proj(x) * scale).astype(mx.bfloat16)[..., None]
+        parts = []
+        for i in range(0, packed_keys.shape[1], KEY_BLOCK):
+            keys = unpack_fp4_e8m0(packed_keys[:, i:i + KEY_BLOCK])
+            qk = mx.einsum("bshd,btd->bsht", q, keys).astype(mx.bfloat16)
+            weighted = (mx.maximum(qk, 0) * weights).astype(mx.bfloat16)
+            parts.append(mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
 def visible_rows(positions: mx.array, ratio: int, total: int) -> mx.array:
@@ -72,9 +79,10 @@ def top_rows(scores: mx.array, k: int) -> mx.array:
     return mx.where(ids == total, -1, ids)
 
 
-def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
-                   block: int) -> mx.array:
-    """Pool mask [B, S, T] from the candidate source's visible scores (model.md §5.5.1)."""
+def candidate_blocks(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
+                     block: int) -> mx.array:
+    """Pool membership [B, S, ceil(T / block)] of each block of rows (model.md §5.5.1): the
+    compact form of `candidate_pool`, which a later Reindex layer expands per row block."""
     batch, length, total = scores.shape
     blocks = -(-total // block)
     pad = blocks * block - total
@@ -89,8 +97,19 @@ def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: 
     # Empty picks (-1) land in a spare column that is dropped.
     member = mx.zeros((batch, length, blocks + 1), dtype=mx.bool_)
     slots = mx.where(kept >= 0, kept, blocks)
-    member = mx.put_along_axis(member, slots, mx.array(True), axis=-1)[..., :blocks]
+    return mx.put_along_axis(member, slots, mx.array(True), axis=-1)[..., :blocks]
+
+
+def expand_blocks(member: mx.array, block: int, total: int) -> mx.array:
+    """Block membership [B, S, blocks] -> row mask [B, S, total]."""
     return mx.repeat(member, block, axis=-1)[..., :total]
+
+
+def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
+                   block: int) -> mx.array:
+    """Pool mask [B, S, T] from the candidate source's visible scores (model.md §5.5.1)."""
+    member = candidate_blocks(scores, positions, ratio, n_blocks, block)
+    return expand_blocks(member, block, scores.shape[-1])
 
 
 def select(scores: mx.array, positions: mx.array, ratio: int, topk: int,

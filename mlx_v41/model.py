@@ -134,12 +134,17 @@ PREFILL_MODES = ("ced", "full", "ced_replay")
 
 
 class _Progress:
-    """Evaluates each chunk's result and reports the running token count, when asked to."""
+    """After each chunk of a multi-chunk prefill: evaluates its result and the cache (so the
+    chunk's graph is freed and memory stays bounded, as in mlx-lm), then reports the running
+    token count when asked to. A single chunk stays lazy (decode steps pipeline)."""
 
-    def __init__(self, callback, total: int):
+    def __init__(self, callback, total: int, cache: list, chunks: int):
         self.callback, self.total, self.done = callback, total, 0
+        self.cache, self.chunks = cache, chunks
 
     def __call__(self, value: mx.array, chunk: mx.array) -> mx.array:
+        if self.chunks > 1:
+            mx.eval(value, [c.state for c in self.cache])
         if self.callback is not None:
             mx.eval(value)
             self.done += chunk.shape[1]
@@ -216,7 +221,7 @@ class Model(nn.Module):
         mode = self.prefill_mode if last_only else "full"
         if mode != "full" and any(e >= self.model.decoder_start for e in self.cfg.engram_layer_ids):
             mode = "full"
-        report = _Progress(progress, ids.shape[1])
+        report = _Progress(progress, ids.shape[1], cache, len(chunks))
         if mode == "full":
             outs = [report(self._full(chunk, cache, last_only, capture), chunk)
                     for chunk in chunks]

@@ -78,3 +78,22 @@ def test_batched_decode_continues_each_row(tiny, prompt):
 
 def test_last_only_matches_full_logits(tiny, prompt):
     assert mx.array_equal(tiny(prompt, last_only=True)[:, -1], tiny(prompt)[:, -1])
+
+
+def test_selection_in_row_blocks_is_exact(tiny, prompt, monkeypatch):
+    """The indexer scores and selects query rows in blocks and decodes the packed index keys
+    in blocks of rows (bounded memory at long contexts); one query row per block and key
+    blocks of 3 rows must give the same scores, selections, pool and logits as one block."""
+    import mlx_v41.attention as attention
+    import mlx_v41.indexer as indexer
+
+    whole = {}
+    logits = tiny(prompt, capture=whole)
+    monkeypatch.setattr(attention, "SCORE_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(indexer, "KEY_BLOCK", 3)
+    blocked = {}
+    assert mx.array_equal(tiny(prompt, capture=blocked), logits)
+    names = [k for k in whole if ".indexer." in k]
+    assert any(k.startswith("layers.9.") for k in names)  # a Reindex layer (candidate pool)
+    for name in names:
+        assert mx.array_equal(blocked[name], whole[name]), name

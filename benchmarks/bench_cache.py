@@ -75,24 +75,32 @@ def prefill_speed(folder: Path, prompt: int, step: int) -> dict:
     return results
 
 
-def peak_memory(folder: Path, prompt: int, step: int) -> dict:
-    """Peak MLX memory (bytes, weights included) during one prefill, each model on its own."""
+def peak_memory(folder: Path, prompt: int, step: int, which: str = "both") -> dict:
+    """Peak MLX memory (bytes, weights included) during one prefill, each model on its own,
+    and the seconds each prefill took."""
     from mlx_lm.utils import load_model
 
     ids = mx.array(np.random.default_rng(2).integers(3, 500, (1, prompt)), dtype=mx.int32)
     results = {}
-    model = mlx_v41.load_model(folder)
-    mx.reset_peak_memory()
-    mx.eval(model.prefill(ids, model.make_cache(), step_size=step))
-    results["mlx_v41 ced"] = mx.get_peak_memory()
-    del model
-    gc.collect()
+    if which in ("both", "mlx_v41"):
+        model = mlx_v41.load_model(folder)
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        mx.eval(model.prefill(ids, model.make_cache(), step_size=step))
+        results["mlx_v41 ced"] = mx.get_peak_memory()
+        print(f"  mlx_v41 {prompt}-token prefill: {time.perf_counter() - start:.0f} s", flush=True)
+        del model
+        gc.collect()
+    if which == "mlx_v41":
+        return results
     theirs, _ = load_model(folder)
+    start = time.perf_counter()
     mx.reset_peak_memory()
     cache = theirs.make_cache()
-    for i in range(0, prompt, step):
-        mx.eval(theirs(ids[:, i:i + step], cache=cache)[:, -1])
+    for i in range(0, prompt, step):  # as mlx-lm's generate prefills: cache evaluated per chunk
+        mx.eval(theirs(ids[:, i:i + step], cache=cache)[:, -1], [c.state for c in cache])
     results["mlx-lm"] = mx.get_peak_memory()
+    print(f"  mlx-lm {prompt}-token prefill: {time.perf_counter() - start:.0f} s", flush=True)
     return results
 
 
@@ -103,29 +111,36 @@ def main():
     parser.add_argument("--step", type=int, default=512, help="prefill chunk")
     parser.add_argument("--memory", type=int, nargs="*", default=[],
                         help="also report peak memory of prefills of these lengths (e.g. 8192)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="skip the bytes/token and speed measurements")
+    parser.add_argument("--memory-model", choices=["both", "mlx_v41", "mlx-lm"], default="both",
+                        help="whose peak memory to measure (separate processes can run in "
+                        "parallel: the peak is per process)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        real = Path(tmp) / "real_widths"
-        write_checkpoint(real, without_engram({**schedule_text_config(), **REAL_WIDTHS}))
-        mine, theirs = global_bytes(real, 256)
-        print(f"global KV bytes/token at real head widths: mlx_v41 {mine:.0f}, mlx-lm "
-              f"{theirs:.0f} (ratio {theirs / mine:.2f}x)")
         small = Path(tmp) / "schedule"
         config = without_engram({**schedule_text_config(), "sliding_window": args.window})
         write_checkpoint(small, config)
-        halo = args.window + 19 * (args.window - 1)
-        prompt = args.prompt_halos * halo
-        speeds = prefill_speed(small, prompt, args.step)
-        print(f"prefill, 40 + 3 layers, hidden 128, window {args.window} (halo {halo} rows), "
-              f"prompt {prompt} tokens in chunks of {args.step}:")
-        for name, value in speeds.items():
-            print(f"  {name:14s} {value:8.1f} tok/s")
-        print(f"  CED / full {speeds['mlx_v41 ced'] / speeds['mlx_v41 full']:.2f}x, "
-              f"CED / mlx-lm {speeds['mlx_v41 ced'] / speeds['mlx-lm']:.2f}x")
+        if not args.memory_only:
+            real = Path(tmp) / "real_widths"
+            write_checkpoint(real, without_engram({**schedule_text_config(), **REAL_WIDTHS}))
+            mine, theirs = global_bytes(real, 256)
+            print(f"global KV bytes/token at real head widths: mlx_v41 {mine:.0f}, mlx-lm "
+                  f"{theirs:.0f} (ratio {theirs / mine:.2f}x)")
+            # the spec's halo at layer 20; the default ced_rollback adds `window` rows per layer
+            halo = args.window + 19 * (args.window - 1)
+            prompt = args.prompt_halos * halo
+            speeds = prefill_speed(small, prompt, args.step)
+            print(f"prefill, 40 + 3 layers, hidden 128, window {args.window} (halo {halo} rows), "
+                  f"prompt {prompt} tokens in chunks of {args.step}:")
+            for name, value in speeds.items():
+                print(f"  {name:14s} {value:8.1f} tok/s")
+            print(f"  CED / full {speeds['mlx_v41 ced'] / speeds['mlx_v41 full']:.2f}x, "
+                  f"CED / mlx-lm {speeds['mlx_v41 ced'] / speeds['mlx-lm']:.2f}x")
         for length in args.memory:
-            peaks = peak_memory(small, length, args.step)
+            peaks = peak_memory(small, length, args.step, args.memory_model)
             print(f"peak memory, {length}-token prefill: " + ", ".join(
-                f"{name} {value / 2**20:.1f} MiB" for name, value in peaks.items()))
+                f"{name} {value / 2**20:.1f} MiB" for name, value in peaks.items()), flush=True)
 
 
 if __name__ == "__main__":

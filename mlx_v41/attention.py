@@ -25,6 +25,7 @@ from .rope import shared_rope
 
 SCORE_BLOCK_ELEMENTS = 1 << 20  # query rows x index heads x cached rows scored at once
 
+
 @dataclass
 class ForwardContext:
     """State shared across the layers of one forward call over positions [start, end)."""
@@ -159,31 +160,32 @@ class Attention(nn.Module):
             # any context length (every row is scored and selected independently).
             step = max(1, SCORE_BLOCK_ELEMENTS // (self.indexer.n_heads * total))
             pools = ctx.pool[:, -n:] if role.uses_candidates and ctx.pool is not None else None
-            parts, members, captured = [], [], []
-            for i in range(0, n, step):
-                j = min(n, i + step)
-                pos = mx.arange(ctx.end - n + i, ctx.end - n + j)
-                scores = self.indexer.scores(x[:, i:j], qr[:, i:j], ctx.end - n + i,
-                                             self.rope, keys)
-                scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
-                if role.is_candidate_source:
-                    members.append(candidate_blocks(scores, pos, role.ratio, self.pool_blocks,
-                                                    self.pool_block))
-                elif pools is not None:
-                    pool = expand_blocks(pools[:, i:j], self.pool_block, total)
-                    scores = mx.where(pool, scores, NEG_INF)
-                if ctx.capture is not None:
-                    captured.append(scores)
-                parts.append(top_rows(scores, self.topk))
-            rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
-            if members:
-                ctx.pool = members[0] if len(members) == 1 else mx.concatenate(members, axis=1)
-            if captured:
-                ctx.record(f"layers.{role.layer}.indexer.score",
-                           mx.concatenate(captured, axis=1))
+            blocks = [self._select_block(x[:, i:i + step], qr[:, i:i + step], keys,
+                                         None if pools is None else pools[:, i:i + step],
+                                         ctx.end - n + i)
+                      for i in range(0, n, step)]
+            rows = _join([b[0] for b in blocks])
+            if role.is_candidate_source:
+                ctx.pool = _join([b[1] for b in blocks])
+            if ctx.capture is not None:
+                ctx.record(f"layers.{role.layer}.indexer.score", _join([b[2] for b in blocks]))
         ctx.record(f"layers.{role.layer}.indexer.topk", rows)
         ctx.selections[role.layer] = rows
         return rows
+
+    def _select_block(self, x, qr, keys, pool, first: int) -> tuple:
+        """(selection [B, s, k], candidate blocks or None, masked scores) of the query rows
+        at positions [first, first + s)."""
+        role, total = self.role, keys.shape[1]
+        pos = mx.arange(first, first + x.shape[1])
+        scores = self.indexer.scores(x, qr, first, self.rope, keys)
+        scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
+        member = None
+        if role.is_candidate_source:
+            member = candidate_blocks(scores, pos, role.ratio, self.pool_blocks, self.pool_block)
+        elif pool is not None:
+            scores = mx.where(expand_blocks(pool, self.pool_block, total), scores, NEG_INF)
+        return top_rows(scores, self.topk), member, scores
 
     def _index_keys(self, ctx: ForwardContext, owner) -> mx.array:
         """Own packed index keys; with the compat switch, the reference's stale handle (D1)."""
@@ -205,3 +207,8 @@ class Attention(nn.Module):
         group_pos = (first + mx.arange(latents.shape[1])) * self.role.ratio
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
         store.append(self.rope(latents, group_pos), index_rows, ctx.kernels)
+
+
+def _join(parts: list) -> mx.array:
+    """Row blocks joined along axis 1."""
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)

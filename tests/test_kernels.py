@@ -420,3 +420,21 @@ def test_metal_kernels_match_ops_on_device():
         args = attention_inputs(batch, length, heads, dim, prefix, total, topk, seed=11)
         got = attn_mod.sparse_attention(*args, dim ** -0.5, window_size)
         assert_attention_close(got, *args, dim ** -0.5, window_size)
+
+
+def test_sparse_attention_ops_row_blocks_are_exact(monkeypatch):
+    """The ops path gathers keys for blocks of query rows; blocks of one row give the same bits."""
+    rng = np.random.default_rng(7)
+    batch, length, heads, dim, window_size, total, topk = 2, 13, 3, 32, 5, 11, 4
+    q = mx.array(rng.standard_normal((batch, length, heads, dim)), dtype=mx.bfloat16)
+    window = mx.array(rng.standard_normal((batch, 3 + length, dim)), dtype=mx.bfloat16)
+    packed = mx.array(rng.integers(0, 256, (batch, total, dim // 2 + dim // 16)), dtype=mx.uint8)
+    packed = mx.concatenate([packed[..., :dim // 2], mx.full(packed[..., dim // 2:].shape, 0x38,
+                                                            mx.uint8)], axis=-1)
+    rows = mx.array(rng.integers(-1, total + 2, (batch, length, topk)), dtype=mx.int32)
+    sinks = mx.array(rng.standard_normal(heads), dtype=mx.float32)
+    whole = attn_mod.sparse_attention_ops(q, window, packed, rows, sinks, 0.17, window_size)
+    monkeypatch.setattr(attn_mod, "GATHER_BLOCK_ELEMENTS", 1)
+    blocked = attn_mod.sparse_attention_ops(q, window, packed, rows, sinks, 0.17, window_size)
+    assert blocked.shape == whole.shape and mx.array_equal(blocked, whole)
+    assert not mx.isnan(whole.astype(mx.float32)).any()

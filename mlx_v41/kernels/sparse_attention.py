@@ -20,6 +20,7 @@ from .builder import build_kernel
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
 MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
 SIMDGROUPS = 4
+GATHER_BLOCK_ELEMENTS = 1 << 22  # gathered key values per block of query rows (ops path)
 
 
 def packed_row_bytes(head_dim: int) -> int:
@@ -55,18 +56,27 @@ def attend(q, keys, valid, sinks, scale):
 
 
 def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window_size: int):
-    """Reference (pure MLX, gather then attend); arguments as in `sparse_attention`."""
-    batch, length = q.shape[:2]
+    """Reference (pure MLX, gather then attend); arguments as in `sparse_attention`. Query
+    rows go in blocks of about GATHER_BLOCK_ELEMENTS gathered key values, so a long prefill
+    chunk never gathers all its keys at once (each row is computed independently)."""
+    batch, length, _, dim = q.shape
     slots = window_rows(length, window.shape[1] - length, window_size)
-    keys = window[:, mx.maximum(slots, 0)]                                # [B, S, W, d]
-    valid = mx.broadcast_to((slots >= 0)[None], (batch,) + slots.shape)
     total = packed_kv.shape[1]
-    if rows.shape[-1] and total:
-        present = (rows >= 0) & (rows < total)
-        packed = _gather_packed(packed_kv, mx.where(present, rows, 0))
-        keys = mx.concatenate([keys, unpack_fp4_e4m3(packed, keys.dtype)], axis=2)
-        valid = mx.concatenate([valid, present], axis=2)
-    return attend(q, keys, valid, sinks, scale)
+    selected = rows.shape[-1] if total else 0
+    step = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch * (window_size + selected) * dim))
+    outs = []
+    for i in range(0, max(length, 1), step):
+        block = slots[i:i + step]
+        keys = window[:, mx.maximum(block, 0)]                            # [B, s, W, d]
+        valid = mx.broadcast_to((block >= 0)[None], (batch,) + block.shape)
+        if selected:
+            picks = rows[:, i:i + step]
+            present = (picks >= 0) & (picks < total)
+            packed = _gather_packed(packed_kv, mx.where(present, picks, 0))
+            keys = mx.concatenate([keys, unpack_fp4_e4m3(packed, keys.dtype)], axis=2)
+            valid = mx.concatenate([valid, present], axis=2)
+        outs.append(attend(q[:, i:i + step], keys, valid, sinks, scale))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
 
 def heads_per_group(heads: int, head_dim: int) -> int:

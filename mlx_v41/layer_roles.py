@@ -67,6 +67,22 @@ def decoder_start(cfg: TextConfig) -> int:
     return min(ones) if ones else cfg.num_hidden_layers
 
 
+def ced_halo(cfg: TextConfig, rows: int, rollback: int = 0) -> list:
+    """(window-KV rows in, rows computed) of each decoder layer in an exact CED prefill of
+    `rows` new positions (cache.md §4.2: W + (D - 1)(W - 1) in and W + (D - 2)(W - 1) out at
+    the first decoder layer, W - 1 fewer per layer, 1 out at the last). `rollback` > 1 adds
+    rollback - 1 rows per layer, so the rings then hold what a trim of that many tokens needs
+    (the minimal halo already allows 1)."""
+    n, w = cfg.num_hidden_layers, cfg.sliding_window
+    extra = max(0, rollback - 1)
+    spans = []
+    for layer in range(decoder_start(cfg), n):
+        k = w + extra + (n - 1 - layer) * (w - 1)
+        o = 1 if layer == n - 1 else w + extra + (n - 2 - layer) * (w - 1)
+        spans.append((min(rows, k), min(rows, o)))
+    return spans
+
+
 def _role(cfg: TextConfig, layer: int) -> LayerRole:
     n = cfg.num_hidden_layers
     ratio = cfg.compress_ratios[layer]

@@ -18,7 +18,7 @@ from .engram import Engram
 from .engram_hash import EngramHasher
 from .hyper_connections import HyperConnection, collapse, expand
 from .kernels import Kernels
-from .layer_roles import decoder_start, layer_roles
+from .layer_roles import ced_halo, decoder_start, layer_roles
 from .layers import RMSNorm
 from .moe import MoE
 
@@ -77,6 +77,7 @@ class TextModel(nn.Module):
         self.hc_mult = cfg.hc_mult
         self.decoder_start = decoder_start(cfg)
         self.window = cfg.sliding_window
+        self.cfg = cfg
 
     def embed(self, ids: mx.array):
         """Token embeddings as the 4 residual copies, and layer 0's one-hot `pre`."""
@@ -108,26 +109,15 @@ class TextModel(nn.Module):
         return self.norm(collapse(streams, pre))
 
     def halo(self, rows: int, mode: str, rollback: int = 0) -> Optional[list]:
-        """Rows each decoder layer reads and computes so the last position's logits and every
-        decoder window are exact (cache.md §4.2), or the bounded replay of §5.
-
-        `rollback` extends every decoder layer's rows so that its window ring afterwards holds
-        what a trim of that many tokens needs (window - 1 rows before the new end); 0 or 1
-        give the minimal halo of the spec (2,414 / 2,287 rows at layer 20 of the real config),
-        whose last layer writes `window` rows and so already allows a trim of 1."""
-        n, w = len(self.layers), self.window
-        extra = max(0, rollback - 1)
+        """Rows each decoder layer reads and computes: exact CED (`layer_roles.ced_halo`,
+        extended for a trim of `rollback` tokens), the bounded replay of cache.md §5, or
+        None (every row) for a full prefill."""
         if mode == "full":
             return None
         if mode == "ced_replay":
-            span = min(rows, w)
-            return [(span, span)] * (n - self.decoder_start)
-        spans = []
-        for layer in range(self.decoder_start, n):
-            k = w + extra + (n - 1 - layer) * (w - 1)
-            o = 1 if layer == n - 1 else w + extra + (n - 2 - layer) * (w - 1)
-            spans.append((min(rows, k), min(rows, o)))
-        return spans
+            span = min(rows, self.window)
+            return [(span, span)] * (len(self.layers) - self.decoder_start)
+        return ced_halo(self.cfg, rows, rollback)
 
 
 PREFILL_MODES = ("ced", "full", "ced_replay")

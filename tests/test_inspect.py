@@ -15,6 +15,19 @@ def test_official_config_is_890_bytes_per_token():
     assert global_bytes_per_token(ModelArgs().text_config) == 890
 
 
+def test_official_ced_halo_matches_the_spec_table():
+    """cache.md §4.2: layer 20 reads 2541 window rows and computes 2414; layer 21 2414 / 2287;
+    127 fewer per layer; the last layer computes 1 row."""
+    from mlx_v41.layer_roles import ced_halo
+
+    cfg = ModelArgs().text_config
+    spans = ced_halo(cfg, 10 ** 6)
+    assert spans[:2] == [(2541, 2414), (2414, 2287)] and spans[-1] == (128, 1)
+    assert len(spans) == 20
+    assert ced_halo(cfg, 10 ** 6, rollback=129)[0] == (2541 + 128, 2414 + 128)
+    assert ced_halo(cfg, 100)[0] == (100, 100)  # a short prompt: every row
+
+
 def test_tiny_config_bytes_per_token():
     args = ModelArgs.from_file(golden_checkpoint("tiny") / "config.json")
     # head_dim 64 -> 32 + 4 B, index_head_dim 32 -> 16 + 1 B; owners 2, 5 (ratio 2) and 7
@@ -28,6 +41,7 @@ def test_cli_prints_schedule_and_plan(capsys):
     assert out.count("\n  2") >= 1 and "reindex" in out and "draft" in out
     assert "session(s) fit beside the weights" in out
     assert "5.16 MiB" in out  # 40 x 256 x 528 B window rings
+    assert "halo of 2,414 rows at layer 20 down to 1 at layer 39" in out
 
 
 def test_cli_reads_a_model_folder(capsys):

@@ -14,16 +14,20 @@ import mlx.nn as nn
 from .cache import LayerCache
 from .compressor import Compressor
 from .config import TextConfig
-from .indexer import (NEG_INF, Indexer, candidate_blocks, expand_blocks, top_rows,
-                      visible_rows)
+from .indexer import (KEY_BLOCK, NEG_INF, Indexer, candidate_blocks, expand_blocks,
+                      top_rows, visible_rows)
 from .layer_roles import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized
 from .kernels import Kernels
 from .kernels.sparse_attention import packed_row_bytes, sparse_attention
-from .quant import act_fp8_qdq
+from .quant import act_fp8_qdq, unpack_fp4_e8m0
 from .rope import shared_rope
 
-SCORE_BLOCK_ELEMENTS = 1 << 20  # query rows x index heads x cached rows scored at once
+# Query rows x index heads x key rows scored at once: 64 MiB of fp32 intermediates. At the real
+# widths and 1M tokens that is one query row against one key block (KEY_BLOCK = 2^18 rows)
+# per step, few enough steps per chunk that graph building stays small next to the GEMMs.
+SCORE_BLOCK_ELEMENTS = 1 << 22
+SELECT_BLOCK_ELEMENTS = 1 << 22  # query rows x key rows in one top-k (its int64 keys: 32 MiB)
 
 
 @dataclass
@@ -158,12 +162,19 @@ class Attention(nn.Module):
             keys = self._index_keys(ctx, owner)
             # Query rows in blocks: the [rows, heads, T] score intermediates stay bounded at
             # any context length (every row is scored and selected independently).
-            step = max(1, SCORE_BLOCK_ELEMENTS // (self.indexer.n_heads * total))
+            if total <= KEY_BLOCK:  # decode once for every row block
+                keys = unpack_fp4_e8m0(keys)
+            step = max(1, min(SCORE_BLOCK_ELEMENTS // (self.indexer.n_heads
+                                                       * min(total, KEY_BLOCK)),
+                              SELECT_BLOCK_ELEMENTS // total))
             pools = ctx.pool[:, -n:] if role.uses_candidates and ctx.pool is not None else None
-            blocks = [self._select_block(x[:, i:i + step], qr[:, i:i + step], keys,
-                                         None if pools is None else pools[:, i:i + step],
-                                         ctx.end - n + i)
-                      for i in range(0, n, step)]
+            blocks = []
+            for i in range(0, n, step):
+                blocks.append(self._select_block(x[:, i:i + step], qr[:, i:i + step], keys,
+                                                 None if pools is None else pools[:, i:i + step],
+                                                 ctx.end - n + i))
+                if n > step:  # several blocks: one at a time, or MLX may run them side by side
+                    mx.eval(blocks[-1][:2] if ctx.capture is None else blocks[-1])
             rows = _join([b[0] for b in blocks])
             if role.is_candidate_source:
                 ctx.pool = _join([b[1] for b in blocks])

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from .rope import RoPE
 
 NEG_INF = float("-inf")
 INDEX_BITS = 24  # row index bits in the tie-breaking sort key (16M rows)
-KEY_BLOCK = 1 << 14  # index-key rows decoded at once (8 MiB of fp32 at index_head_dim 128)
+KEY_BLOCK = 1 << 18  # index-key rows decoded at once (128 MiB of fp32 at index_head_dim 128)
 
 
 class Indexer(nn.Module):
@@ -33,22 +34,30 @@ class Indexer(nn.Module):
         latents [B, G, d] at their group positions."""
         return rope(self.k_norm(self.k_proj(latents)), positions)
 
-    def scores(self, x, qr, positions, rope: RoPE, packed_keys: mx.array) -> mx.array:
-        """bf16 scores [B, S, T] of each query row against every packed index-key row
-        [B, T, bytes] (no masking). Keys are decoded KEY_BLOCK rows at a time, so no decoded
-        copy of the whole index-key cache is ever made."""
+    def scores(self, x, qr, positions, rope: RoPE, keys: mx.array) -> mx.array:
+        """bf16 scores [B, S, T] of each query row against every index-key row (no masking).
+        `keys`: decoded [B, T, d], or packed uint8 [B, T, bytes] decoded KEY_BLOCK rows at a
+        time, so that no decoded copy of a long index-key cache is ever made."""
         batch, length, _ = x.shape
         q = self.q_b_proj(qr).reshape(batch, length, self.n_heads, self.index_dim)
         q = fp4_e8m0_qdq(rope(q, positions))
         scale = (self.index_dim ** -0.5) * (self.n_heads ** -0.5)
         weights = (self.weights_proj(x) * scale).astype(mx.bfloat16)[..., None]
         parts = []
-        for i in range(0, packed_keys.shape[1], KEY_BLOCK):
-            keys = unpack_fp4_e8m0(packed_keys[:, i:i + KEY_BLOCK])
-            qk = mx.einsum("bshd,btd->bsht", q, keys).astype(mx.bfloat16)
-            weighted = (mx.maximum(qk, 0) * weights).astype(mx.bfloat16)
-            parts.append(mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16))
+        for i in range(0, keys.shape[1], KEY_BLOCK):
+            block = keys[:, i:i + KEY_BLOCK]
+            if block.dtype == mx.uint8:
+                block = unpack_fp4_e8m0(block)
+            parts.append(_weighted_relu_sum(mx.einsum("bshd,btd->bsht", q, block), weights))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _weighted_relu_sum(qk: mx.array, weights: mx.array) -> mx.array:
+    """Σ_heads bf16(relu(bf16(qk)) · w), summed in fp32, as bf16: one fused pass over the
+    [B, S, H, T] products instead of four full-size intermediates."""
+    weighted = (mx.maximum(qk.astype(mx.bfloat16), 0) * weights).astype(mx.bfloat16)
+    return mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16)
 
 
 def visible_rows(positions: mx.array, ratio: int, total: int) -> mx.array:

@@ -93,6 +93,8 @@ def test_selection_in_row_blocks_is_exact(tiny, prompt, monkeypatch):
     monkeypatch.setattr(indexer, "KEY_BLOCK", 3)
     blocked = {}
     assert mx.array_equal(tiny(prompt, capture=blocked), logits)
+    assert mx.array_equal(tiny(prompt), logits)
+    assert mx.array_equal(tiny.prefill(prompt), logits[:, -1:])  # the CED halo, blocked too
     names = [k for k in whole if ".indexer." in k]
     assert any(k.startswith("layers.9.") for k in names)  # a Reindex layer (candidate pool)
     for name in names:

@@ -52,11 +52,14 @@ def test_real_width_cache_is_890_bytes_per_token():
     assert cache_bytes(cache)["window"] == 40 * 256 * 528
 
 
-@pytest.mark.parametrize("n", [10, 60, 61, 62, 76, 77, 150, 201])
-def test_ced_prefill_equals_full_prefill(prompt, n):
+@pytest.mark.parametrize("n,rollback", [(n, None) for n in (10, 61, 76, 77, 78, 92, 93, 150, 201)]
+                         + [(n, 0) for n in (60, 61, 62, 76, 77, 201)])
+def test_ced_prefill_equals_full_prefill(prompt, n, rollback):
     """tiny: decoder from layer 7, window 16: halo of 76 window rows / 61 computed rows at
-    layer 7, so lengths around and well above the halo."""
-    full, ced = _model("full"), _model("ced")
+    layer 7 (ced_rollback=0), 92 / 77 with the default rollback rows; lengths around and
+    well above both."""
+    full = _model("full")
+    ced = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=rollback)
     cf, cc = full.make_cache(), ced.make_cache()
     a = full(prompt[:, :n], cache=cf, last_only=True)
     b = ced(prompt[:, :n], cache=cc, last_only=True)

@@ -132,7 +132,7 @@ class _Progress:
         self.callback, self.total, self.done = callback, total, 0
         self.cache, self.chunks = cache, chunks
 
-    def __call__(self, value: mx.array, chunk: mx.array) -> mx.array:
+    def __call__(self, value, chunk: mx.array):
         if self.chunks > 1:
             mx.eval(value, [c.state for c in self.cache])
         if self.callback is not None:
@@ -240,18 +240,20 @@ class Model(nn.Module):
         end = start + sum(c.shape[1] for c in chunks)
         halo = self.model.halo(end - start, mode, self.ced_rollback)
         keep = halo[0][0] if halo else 1
-        kept_streams, kept_pre = [], []
+        tail = None  # (streams, pre) of the last `keep` rows so far: memory bounded by the halo
         for chunk in chunks:
             chunk_start = cache[0].offset
             ctx = self._context(cache, chunk_start, chunk_start + chunk.shape[1], capture)
             ctx.engram_rows = self._engram_rows(chunk, cache)
             streams, pre = self.model.encode(chunk, ctx, full=False)
-            kept_streams.append(report(streams[:, -keep:], chunk))
-            kept_pre.append(pre[:, -keep:])
+            streams, pre = streams[:, -keep:], pre[:, -keep:]
+            if tail is not None:
+                streams = mx.concatenate([tail[0], streams], axis=1)[:, -keep:]
+                pre = mx.concatenate([tail[1], pre], axis=1)[:, -keep:]
+            tail = report((streams, pre), chunk)
             for c in cache[:self.model.decoder_start + 1]:
                 c.offset = ctx.end
-        streams = mx.concatenate(kept_streams, axis=1)[:, -keep:]
-        pre = mx.concatenate(kept_pre, axis=1)[:, -keep:]
+        streams, pre = tail
         ctx = self._context(cache, start, end, capture)
         ctx.precompressed.add(self.model.decoder_start)
         ctx.truncate_window = mode == "ced_replay" and end - start > self.cfg.sliding_window

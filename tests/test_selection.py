@@ -69,3 +69,22 @@ def test_candidate_pool_reproduces_reference(goldens, name, layer, blocks, block
     bad = [row for row in range(n) if row not in ties and not (pool[row] == expected[row]).all()]
     assert bad == []
     assert (~expected).any(), "the pool must actually restrict some rows in this golden"
+
+
+def test_fused_head_sum_matches_plain_ops_across_shapes():
+    """The indexer's head sum is compiled shapeless (no retrace as the cache grows); its
+    broadcast of the per-head weights must stay right when shapes change between calls,
+    including calls where the key axis has length 1."""
+    from mlx_v41.indexer import _weighted_relu_sum
+
+    def plain(qk, w):
+        weighted = (mx.maximum(qk.astype(mx.bfloat16), 0) * w).astype(mx.bfloat16)
+        return mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16)
+
+    rng = np.random.default_rng(3)
+    for shape in [(1, 4, 8, 9), (2, 1, 8, 1), (2, 3, 4, 1), (1, 1, 2, 300), (3, 2, 8, 17)]:
+        qk = mx.array(rng.standard_normal(shape).astype(np.float32))
+        w = mx.array(rng.standard_normal(shape[:3] + (1,)).astype(np.float32)).astype(mx.bfloat16)
+        fused = _weighted_relu_sum(qk, w)
+        assert fused.shape == shape[:2] + shape[3:]
+        assert mx.array_equal(fused, plain(qk, w)), shape

@@ -41,7 +41,7 @@ if not any(f is _CheckoutConverter for f in sys.meta_path):
 
 
 def _token_map(folder: Path, cfg):
-    from .engram_hash import build_token_map, load_token_map
+    from .engram_hash import load_token_map
     import json
     import numpy as np
 

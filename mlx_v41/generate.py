@@ -24,8 +24,7 @@ import mlx.core as mx
 from .cache import CacheError, trim_cache
 from .model import PREFILL_MODES
 from .prompt_cache import copy_cache, load_prompt_cache, save_prompt_cache
-from .model_source import DEMO, load, resolve_model_path  # noqa: F401 (public here too)
-from .safetensors_io import CheckpointError
+from .model_source import DEMO, load
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100

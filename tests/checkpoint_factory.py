@@ -1,8 +1,8 @@
 """Random checkpoints for tests: `mlx_v41.random_checkpoint`, with the goldens' tokenizer.
 
-The generator lives in the package (the demo needs it installed); this module keeps the names
-tests and benchmarks import, and gives 512-token checkpoints the tiny golden's tokenizer files
-(so their Engram token maps match the goldens').
+The generator lives in the package (the demo needs it installed); this wrapper gives
+512-token checkpoints the tiny golden's tokenizer files (so their Engram token maps match the
+goldens'). Everything else is imported from `mlx_v41.random_checkpoint` directly.
 """
 
 from __future__ import annotations
@@ -10,11 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from mlx_v41.random_checkpoint import (  # noqa: F401  (re-exported)
-    BLOCK, DTYPE_RANK, E2M1_GRID, E4M3_GRID, FP4_MAX, FP8_MAX, HEADER_ALIGN, TOKENIZER_FILES,
-    Tensor, checkpoint_groups, e8m0_exponent, encode_bf16, encode_e2m1, encode_e4m3,
-    engram_num_embeddings, quantize_fp8_blocks, quantize_row_groups, root_config,
-    schedule_text_config, tiny_text_config, without_engram, write_safetensors)
+from mlx_v41.random_checkpoint import tiny_text_config
 from mlx_v41.random_checkpoint import write_checkpoint as _write_checkpoint
 
 GOLDENS = Path(__file__).parent / "data" / "goldens"

@@ -22,9 +22,10 @@ from mlx_v41 import chat_format as cf
 from mlx_v41.cache import CacheError
 from mlx_v41.chat import ChatSession, assistant_message, main, repl
 from mlx_v41.generate import PromptTooLongError, stream_generate
+from conftest import golden_checkpoint, with_context, writable_copy
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO / "tests" / "data" / "goldens" / "tiny" / "hf"
+GOLDEN = golden_checkpoint("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -146,15 +147,7 @@ def test_assistant_message_parsing():
 
 
 def test_prompt_too_long_leaves_the_session(tmp_path, monkeypatch, capsys):
-    import json
-    import shutil
-
-    folder = tmp_path / "hf"
-    shutil.copytree(GOLDEN, folder)
-    os.chmod(folder / "config.json", 0o644)
-    config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["max_position_embeddings"] = 40
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = with_context(writable_copy(GOLDEN, tmp_path / "hf"), 40)
     model, tokenizer = mlx_v41.load(folder)
     session = ChatSession(model, tokenizer, thinking=False, max_tokens=2)
     with pytest.raises(PromptTooLongError):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -29,8 +28,9 @@ from mlx.utils import tree_flatten
 
 import mlx_v41
 import mlx_v41.convert.writer as writer
-from checkpoint_factory import (Tensor, encode_bf16, engram_num_embeddings, tiny_text_config,
-                                write_checkpoint)
+from checkpoint_factory import write_checkpoint
+from mlx_v41.random_checkpoint import (Tensor, encode_bf16, engram_num_embeddings,
+                                       tiny_text_config)
 from conftest import golden_checkpoint
 from mlx_v41 import CheckpointError, load_model
 from mlx_v41.convert import convert
@@ -46,15 +46,6 @@ INDEX = "model.safetensors.index.json"
 PROMPT = [0, 5, 9, 300, 17, 4, 4, 4, 100, 200, 300, 400, 7, 8, 9, 10]
 QUIET = dict(progress=False, log=lambda line: None)
 REAL_WRITE = writer._write
-
-
-@pytest.fixture
-def ckpt(tmp_path) -> Path:
-    """A writable copy of the tiny golden (copyfile: the golden files are read-only)."""
-    folder = tmp_path / "hf"
-    shutil.copytree(GOLDEN, folder, copy_function=shutil.copyfile)
-    folder.chmod(0o755)
-    return folder
 
 
 @pytest.fixture(scope="module")

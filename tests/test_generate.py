@@ -3,7 +3,6 @@ on the tiny golden checkpoint (greedy, a few tokens)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,9 +21,10 @@ from mlx_v41 import chat_format as cf
 from mlx_v41.cache import CacheError
 from mlx_v41.generate import (PromptCache, PromptTooLongError, main, reuse_prompt_cache,
                               setup_arg_parser, stream_generate)
+from conftest import golden_checkpoint, with_context, writable_copy
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO / "tests" / "data" / "goldens" / "tiny" / "hf"
+GOLDEN = golden_checkpoint("tiny")
 RULE = "=" * 10
 
 
@@ -52,13 +52,7 @@ def cached_load(monkeypatch):
 @pytest.fixture(scope="module")
 def short_context(tmp_path_factory):
     """The tiny golden with a 40-token context."""
-    folder = tmp_path_factory.mktemp("short") / "hf"
-    shutil.copytree(GOLDEN, folder)
-    os.chmod(folder / "config.json", 0o644)
-    config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["max_position_embeddings"] = 40
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return with_context(writable_copy(GOLDEN, tmp_path_factory.mktemp("short") / "hf"), 40)
 
 
 def greedy_reference(model, ids, n):

@@ -9,8 +9,6 @@ MLX and numpy cannot express (F8_E4M3, F8_E8M0) are handled the same way as the 
 
 import json
 import re
-import shutil
-import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,21 +21,13 @@ from mlx_v41.layers import QuantLinear
 from mlx_v41.loader import load_weights
 from mlx_v41.model import Model
 from mlx_v41.moe import SwitchLinear
+from conftest import golden_checkpoint
 from shard_bytes import read_shard, write_shard
 
-GOLDEN = Path(__file__).parent / "data" / "goldens" / "tiny" / "hf"
+GOLDEN = golden_checkpoint("tiny")
 INDEX = "model.safetensors.index.json"
 E8M0_NAN = 0xFF  # checkpoint.md §4: must not occur, a load error
 DROPPED = re.compile(r"(mtp|vision|aligner)\..*|image_(start|end|newline)")
-
-
-@pytest.fixture
-def ckpt(tmp_path) -> Path:
-    """A writable copy of the tiny golden (copyfile: the golden files are read-only)."""
-    folder = tmp_path / "hf"
-    shutil.copytree(GOLDEN, folder, copy_function=shutil.copyfile)
-    folder.chmod(0o755)
-    return folder
 
 
 # ---------------------------------------------------------------- safetensors at the byte level

@@ -58,7 +58,8 @@ import mlx_v41  # noqa: E402
 from mlx_v41 import moe  # noqa: E402
 from mlx_v41.layers import QuantLinear  # noqa: E402
 
-from checkpoint_factory import tiny_text_config, write_checkpoint  # noqa: E402
+from checkpoint_factory import write_checkpoint  # noqa: E402
+from mlx_v41.random_checkpoint import tiny_text_config  # noqa: E402
 
 # Ragged calls: an odd prefill leaves a ratio-2 group open, then decode steps, then chunks
 # that wrap the window (16 rows).

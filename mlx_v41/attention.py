@@ -23,9 +23,9 @@ from .kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq, unpack_fp4_e8m0
 from .rope import shared_rope
 
-# Query rows x index heads x key rows scored at once: 64 MiB of fp32 intermediates. At the real
-# widths and 1M tokens that is one query row against one key block (KEY_BLOCK = 2^18 rows)
-# per step, few enough steps per chunk that graph building stays small next to the GEMMs.
+# Query rows x index heads x key rows scored at once: 16 MiB of fp32 per intermediate. A
+# block is at least one query row against one key block, so at the real widths and long
+# contexts (64 heads x KEY_BLOCK = 2^18 rows) a step is one row and 64 MiB.
 SCORE_BLOCK_ELEMENTS = 1 << 22
 SELECT_BLOCK_ELEMENTS = 1 << 22  # query rows x key rows in one top-k (its int64 keys: 32 MiB)
 
@@ -46,10 +46,6 @@ class ForwardContext:
     truncate_window: bool = False                    # bounded replay: no rows before the span
     kernels: Kernels = field(default_factory=Kernels)  # Metal kernels where they apply
     capture: Optional[dict] = None                   # debugging: name -> intermediate
-
-    def positions(self, n: int) -> mx.array:
-        """Positions of the last `n` rows of the call."""
-        return mx.arange(self.end - n, self.end)
 
     def record(self, name: str, value: mx.array) -> None:
         if self.capture is not None:
@@ -168,18 +164,21 @@ class Attention(nn.Module):
                                                        * min(total, KEY_BLOCK)),
                               SELECT_BLOCK_ELEMENTS // total))
             pools = ctx.pool[:, -n:] if role.uses_candidates and ctx.pool is not None else None
-            blocks = []
+            picks, members, scores = [], [], []  # scores only kept when captured
             for i in range(0, n, step):
-                blocks.append(self._select_block(x[:, i:i + step], qr[:, i:i + step], keys,
-                                                 None if pools is None else pools[:, i:i + step],
-                                                 ctx.end - n + i))
+                pick, member, block_scores = self._select_block(
+                    x[:, i:i + step], qr[:, i:i + step], keys,
+                    None if pools is None else pools[:, i:i + step], ctx.end - n + i)
+                picks.append(pick)
+                members += [] if member is None else [member]
+                scores += [] if ctx.capture is None else [block_scores]
                 if n > step:  # several blocks: one at a time, or MLX may run them side by side
-                    mx.eval(blocks[-1][:2] if ctx.capture is None else blocks[-1])
-            rows = _join([b[0] for b in blocks])
-            if role.is_candidate_source:
-                ctx.pool = _join([b[1] for b in blocks])
-            if ctx.capture is not None:
-                ctx.record(f"layers.{role.layer}.indexer.score", _join([b[2] for b in blocks]))
+                    mx.eval(pick, members[-1:], scores[-1:])
+            rows = _join(picks)
+            if members:
+                ctx.pool = _join(members)
+            if scores:
+                ctx.record(f"layers.{role.layer}.indexer.score", _join(scores))
         ctx.record(f"layers.{role.layer}.indexer.topk", rows)
         ctx.selections[role.layer] = rows
         return rows

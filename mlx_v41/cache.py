@@ -21,11 +21,17 @@ import numpy as np
 from .kernels import Kernels
 from .kernels.fp4_pack import fp4_pack
 from .kernels.swa_ring import swa_ring_update
-from .quant import unpack_fp4_e8m0, unpack_fp8_e8m0
+from .quant import unpack_fp8_e8m0
 
 GROW_STEP = 256  # rows added when a compressed cache fills
 ENGRAM_KEPT = 512  # Engram ids kept: > the most a trim can undo (one ring) + the n-gram history
 RING_FACTOR = 2  # ring capacity in windows: the spare half holds rows a rollback may restore
+
+
+def rollback_limit(window: int) -> int:
+    """Most tokens a trim can undo: the ring holds RING_FACTOR windows and the new end still
+    needs the window - 1 rows before it."""
+    return RING_FACTOR * window - window + 1
 
 
 class CacheError(ValueError):
@@ -143,10 +149,6 @@ class CompressedKV:
         """Packed index-key rows [B, rows, bytes] of rows [0, rows) (all rows by default); the
         indexer decodes them block by block."""
         return self.index_k[:, :self.count if rows is None else rows]
-
-    def index_keys(self, rows: Optional[int] = None) -> mx.array:
-        """Decoded index keys of rows [0, rows) (all rows by default)."""
-        return unpack_fp4_e8m0(self.packed_index_keys(rows))
 
     def rewind(self, position: int) -> None:
         """Drop the rows and open group after `position` tokens."""

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -119,12 +118,3 @@ def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: 
     """Pool mask [B, S, T] from the candidate source's visible scores (model.md §5.5.1)."""
     member = candidate_blocks(scores, positions, ratio, n_blocks, block)
     return expand_blocks(member, block, scores.shape[-1])
-
-
-def select(scores: mx.array, positions: mx.array, ratio: int, topk: int,
-           pool: Optional[mx.array] = None) -> mx.array:
-    """Mask invisible rows (and rows outside the pool), then take the top-k."""
-    visible = visible_rows(positions, ratio, scores.shape[-1])[None]
-    if pool is not None:
-        visible = visible & pool
-    return top_rows(mx.where(visible, scores, NEG_INF), topk)

@@ -15,10 +15,10 @@ import sys
 
 from mlx.utils import tree_flatten
 
+from .cache import RING_FACTOR, rollback_limit
 from .config import ConfigError, ModelArgs, TextConfig, official_config_path
 from .layer_roles import FULL, ced_halo, decoder_start, format_schedule, layer_roles
 
-RING_FACTOR = 2  # must match cache.RING_FACTOR: ring rows per window row
 FP32_BYTES = 4
 
 
@@ -98,14 +98,14 @@ def report(args: ModelArgs, context: int, memory: int | None) -> str:
     start, window = decoder_start(cfg), cfg.sliding_window
     if start < cfg.num_hidden_layers:
         minimal = ced_halo(cfg, context)
-        rollback = ced_halo(cfg, context, RING_FACTOR * window - window + 1)
+        rollback = ced_halo(cfg, context, rollback_limit(window))
         lines.append(
             f"CED prefill: layers 0-{start - 1} over every prompt row; decoder layers "
             f"{start}-{cfg.num_hidden_layers - 1} over a halo of {minimal[0][1]:,} rows at "
             f"layer {start} down to {minimal[-1][1]} at layer {cfg.num_hidden_layers - 1} "
             f"({sum(o for _, o in minimal):,} rows in all; by default "
             f"{sum(o for _, o in rollback) - sum(o for _, o in minimal):,} more so that a trim "
-            f"of {RING_FACTOR * window - window + 1} tokens stays exact)")
+            f"of {rollback_limit(window)} tokens stays exact)")
     session = per_token * context + sum(fixed.values())
     lines.append(f"one session at {context:,} tokens: {_fmt(session)}")
     if memory is not None:

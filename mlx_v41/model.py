@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .attention import Attention, ForwardContext
-from .cache import ENGRAM_KEPT, RING_FACTOR, LayerCache
+from .cache import ENGRAM_KEPT, LayerCache, rollback_limit
 from .config import ModelArgs, TextConfig
 from .engram import Engram
 from .engram_hash import EngramHasher
@@ -76,7 +76,6 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_mult = cfg.hc_mult
         self.decoder_start = decoder_start(cfg)
-        self.window = cfg.sliding_window
         self.cfg = cfg
 
     def embed(self, ids: mx.array):
@@ -115,7 +114,7 @@ class TextModel(nn.Module):
         if mode == "full":
             return None
         if mode == "ced_replay":
-            span = min(rows, self.window)
+            span = min(rows, self.cfg.sliding_window)
             return [(span, span)] * (len(self.layers) - self.decoder_start)
         return ced_halo(self.cfg, rows, rollback)
 
@@ -133,10 +132,9 @@ class _Progress:
         self.cache, self.chunks = cache, chunks
 
     def __call__(self, value, chunk: mx.array):
-        if self.chunks > 1:
-            mx.eval(value, [c.state for c in self.cache])
+        if self.chunks > 1 or self.callback is not None:
+            mx.eval(value, [c.state for c in self.cache] if self.chunks > 1 else [])
         if self.callback is not None:
-            mx.eval(value)
             self.done += chunk.shape[1]
             self.callback(self.done, self.total)
         return value
@@ -153,7 +151,7 @@ class Model(nn.Module):
         cfg = args.text_config
         # Tokens a trim can undo right after a CED prefill. Default: what the window rings
         # allow after decoding too (window + 1), so every prefill mode trims alike.
-        most = RING_FACTOR * cfg.sliding_window - cfg.sliding_window + 1
+        most = rollback_limit(cfg.sliding_window)
         ced_rollback = most if ced_rollback is None else ced_rollback
         if not (isinstance(ced_rollback, int) and 0 <= ced_rollback <= most):
             raise ValueError(f"ced_rollback must be an int in [0, {most}] (window + 1), got "

@@ -53,7 +53,8 @@ class RoPE:
         self._tables: dict = {}
 
     def angles(self, positions):
-        """(cos, sin) [S, rope_dim / 2]; `positions` an array, or an int start of S rows."""
+        """(cos, sin) [S, rope_dim / 2]; `positions` an array, or (start, S) for the
+        contiguous rows start .. start + S - 1 (kept, as every layer of a call asks again)."""
         if isinstance(positions, mx.array):
             return self._angles(positions)
         start, length = positions

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 import mlx_v41  # noqa: E402
-from mlx_v41.random_checkpoint import (schedule_text_config, without_engram,  # noqa: E402
-                                       write_checkpoint)
+from mlx_v41.checkpoint.random_checkpoint import (  # noqa: E402
+    schedule_text_config, without_engram, write_checkpoint)
 
 REAL_WIDTHS = dict(head_dim=512, index_head_dim=128, qk_rope_head_dim=64, num_attention_heads=1,
                    hidden_size=64, q_lora_rank=32, o_lora_rank=32, o_groups=1,

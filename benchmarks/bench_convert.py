@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import checkpoint_factory as factory  # noqa: E402
-import mlx_v41.random_checkpoint as catalogue  # noqa: E402
+import mlx_v41.checkpoint.random_checkpoint as catalogue  # noqa: E402
 
 SPEC_TENSORS, SPEC_BYTES = 96_085, 510_286_023_000  # spec checkpoint.md §6
 RECIPES = [
@@ -106,11 +106,11 @@ def write_headers(folder: Path, config: dict) -> tuple[int, int]:
 
 
 def sizes(work: Path) -> None:
-    from mlx_v41.config import official_config_path
+    from mlx_v41.model.config import official_config_path
     from mlx_v41.convert.plan import make_plan
     from mlx_v41.convert.recipes import make_recipe
     from mlx_v41.convert.source import Source
-    from mlx_v41.model import Model
+    from mlx_v41.model.model import Model
 
     config = json.loads(official_config_path().read_text())
     folder = work / "real-headers"

@@ -13,9 +13,9 @@ from typing import Callable, Optional
 import numpy as np
 from tqdm import tqdm
 
-from mlx_v41.converted import MANIFEST
-from mlx_v41.engram_hash import EngramHasher, build_token_map
-from mlx_v41.model import Model
+from mlx_v41.checkpoint.converted import MANIFEST
+from mlx_v41.model.engram_hash import EngramHasher, build_token_map
+from mlx_v41.model.model import Model
 
 from .plan import Plan, make_plan
 from .recipes import make_recipe

@@ -21,10 +21,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_v41.layers import configure_quantization
-from mlx_v41.loader import check_table, convert_target, engram_tables
-from mlx_v41.model import Model
-from mlx_v41.safetensors_io import STORAGE, CheckpointError
+from mlx_v41.model.layers import configure_quantization
+from mlx_v41.checkpoint.loader import check_table, convert_target, engram_tables
+from mlx_v41.model.model import Model
+from mlx_v41.checkpoint.safetensors_io import STORAGE, CheckpointError
 
 from .recipes import DTYPES, Recipe, requantize
 from .source import HeaderShards, RowReader, Source, StreamShards, read_blocks

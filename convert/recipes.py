@@ -18,7 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_v41.layers import input_dims, is_quantized
+from mlx_v41.model.layers import input_dims, is_quantized
 
 from .source import ConvertError
 

@@ -14,9 +14,9 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlx_v41.config import ModelArgs
-from mlx_v41.loader import DROPS, _Shards, data_start, plan, read_index
-from mlx_v41.safetensors_io import STORAGE, CheckpointError, SafetensorsFile
+from mlx_v41.model.config import ModelArgs
+from mlx_v41.checkpoint.loader import DROPS, _Shards, data_start, plan, read_index
+from mlx_v41.checkpoint.safetensors_io import STORAGE, CheckpointError, SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 # Small files copied to the output when present (the tokenizer and its settings).

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from mlx_v41.converted import MANIFEST
+from mlx_v41.checkpoint.converted import MANIFEST
 
 from .plan import FORMAT, OutFile
 from .source import ConvertError, Source

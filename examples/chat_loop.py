@@ -7,7 +7,7 @@
 import sys
 
 import mlx_v41
-from mlx_v41.chat_format import EOS, IMAGE_PLACEHOLDER, encode_messages
+from mlx_v41.chat.format import EOS, IMAGE_PLACEHOLDER, encode_messages
 
 model, tokenizer = mlx_v41.load(sys.argv[1] if len(sys.argv) > 1 else "demo")
 questions = sys.argv[2:] or ["Hello! Who are you?", "What did I just ask?"]

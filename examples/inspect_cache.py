@@ -8,7 +8,7 @@ import sys
 import mlx.core as mx
 
 import mlx_v41
-from mlx_v41.inspect import global_bytes_per_token, report
+from mlx_v41.cli.inspect import global_bytes_per_token, report
 
 model, tokenizer = mlx_v41.load(sys.argv[1] if len(sys.argv) > 1 else "demo")
 print(report(model.args, context=4096, memory=None))  # what `mlx_v41.inspect` prints

@@ -2,19 +2,20 @@
 
 Public API: `load_model(path)` -> Model; `model.make_cache()`; `model(ids, cache=cache)`.
 Generation (mlx-lm's conventions): `load(path_or_repo)` -> (model, tokenizer); `generate`,
-`stream_generate`.
+`stream_generate`. Prompt caches: `trim_cache`, `save_prompt_cache`, `load_prompt_cache`.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
-from typing import Optional
 
-from .cache import CacheError, cache_bytes, trim_cache
-from .config import ConfigError, ModelArgs
-from .prompt_cache import copy_cache, load_prompt_cache, save_prompt_cache
-from .safetensors_io import CheckpointError
+from .cache import (CacheError, cache_bytes, copy_cache, load_prompt_cache, save_prompt_cache,
+                    trim_cache)
+from .checkpoint.load import load_model
+from .checkpoint.safetensors_io import CheckpointError
+from .model.config import ConfigError, ModelArgs
 
 __version__ = "0.1.0"
 
@@ -40,76 +41,12 @@ if not any(f is _CheckoutConverter for f in sys.meta_path):
     sys.meta_path.append(_CheckoutConverter)
 
 
-def _token_map(folder: Path, cfg):
-    from .engram_hash import load_token_map
-    import json
-    import numpy as np
-
-    tokenizer = folder / "tokenizer.json"
-    if tokenizer.is_file():
-        try:
-            return load_token_map(tokenizer,
-                                  compressed_vocab_size=cfg.engram_compressed_vocab_size)
-        except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"{tokenizer}: {message}") from None
-    mapping = folder / "engram_token_map.json"
-    if mapping.is_file():
-        return np.array(json.loads(mapping.read_text()), dtype=np.int32)
-    raise CheckpointError(f"{folder}: the Engram token map needs tokenizer.json (or "
-                          "engram_token_map.json)")
-
-
-def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
-               ced_rollback: Optional[int] = None):
-    """Load a model folder: the published Hugging Face layout, or one written by
-    `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
-
-    Args:
-        path: folder with config.json, model.safetensors.index.json and the shards (published
-            layout), or a converted folder (it holds mlx_v41_convert.json).
-        compat_reference_index_k_bug: reproduce the reference's decode-time index-key defect
-            (spec deviations.md D1); only for parity tests against the reference.
-        prefill_mode: "ced" (default: exact encoder-only prefill with the decoder halo),
-            "full" (every layer over every row, like the reference) or "ced_replay" (the tech
-            report's bounded replay: APPROXIMATE, opt-in).
-        ced_rollback: tokens `trim_cache` can undo right after a CED prefill; the decoder
-            halo grows by this many rows per layer. Default (None): window + 1, the same as
-            after decoding or a full prefill; 0 gives the spec's minimal halo (trim of 1).
-    Returns:
-        The `Model`, weights loaded and evaluated.
-    """
-    from .converted import is_converted, load_converted
-    from .engram_hash import EngramHasher
-    from .loader import load_weights
-    from .model import Model
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: model folder not found")
-    args = ModelArgs.from_file(folder / "config.json")
-    model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                  prefill_mode=prefill_mode, ced_rollback=ced_rollback)
-    token_map = None
-    if is_converted(folder):
-        token_map = load_converted(model, folder)
-    else:
-        load_weights(model, folder)
-    if args.text_config.engram_layer_ids:
-        if token_map is None:
-            token_map = _token_map(folder, args.text_config)
-        model.engram_hasher = EngramHasher.from_config(args.text_config, token_map)
-    return model
-
-
-import warnings  # noqa: E402
-
-# `mlx_v41.generate` names both the function (exported below, as in mlx-lm) and its module, so
-# `python -m mlx_v41.generate` finds the module already imported; runpy's warning about that is
-# harmless here.
+# `python -m mlx_v41.generate` imports the module `mlx_v41.generate` although the package
+# exports the function of that name (as mlx-lm does); runpy's warning about that is harmless.
 warnings.filterwarnings("ignore", category=RuntimeWarning,
                         message=r"'mlx_v41\.generate' found in sys\.modules")
-from .generate import generate, load, stream_generate  # noqa: E402
+from .checkpoint.source import load  # noqa: E402
+from .generation.api import generate, stream_generate  # noqa: E402
 
 __all__ = ["load", "generate", "stream_generate",
            "load_model", "ModelArgs", "ConfigError", "CheckpointError", "CacheError",

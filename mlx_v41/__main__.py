@@ -4,11 +4,11 @@ import importlib
 import sys
 
 COMMANDS = {
-    "generate": "mlx_v41.generate",
-    "chat": "mlx_v41.chat",
-    "inspect": "mlx_v41.inspect",
+    "generate": "mlx_v41.cli.generate",
+    "chat": "mlx_v41.cli.chat",
+    "inspect": "mlx_v41.cli.inspect",
     "convert": "mlx_v41.convert.cli",
-    "demo": "mlx_v41.demo",
+    "demo": "mlx_v41.cli.demo",
 }
 USAGE = f"usage: python -m mlx_v41 {{{','.join(COMMANDS)}}} [options]  (options: <command> --help)"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from mlx_v41.random_checkpoint import tiny_text_config
-from mlx_v41.random_checkpoint import write_checkpoint as _write_checkpoint
+from mlx_v41.checkpoint.random_checkpoint import tiny_text_config
+from mlx_v41.checkpoint.random_checkpoint import write_checkpoint as _write_checkpoint
 
 GOLDENS = Path(__file__).parent / "data" / "goldens"
 TINY_HF = GOLDENS / "tiny" / "hf"
@@ -19,7 +19,7 @@ TOKENIZER_VOCAB = 512  # vocabulary of the goldens' synthetic tokenizer
 
 
 def write_checkpoint(folder, text_config: Optional[dict] = None, **kwargs) -> Path:
-    """`mlx_v41.random_checkpoint.write_checkpoint`; a 512-token vocabulary gets the tiny
+    """`mlx_v41.checkpoint.random_checkpoint.write_checkpoint`; a 512-token vocabulary gets the tiny
     golden's tokenizer files unless `tokenizer_dir` is given."""
     vocab = (text_config or tiny_text_config())["vocab_size"]
     if vocab == TOKENIZER_VOCAB:

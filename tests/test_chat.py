@@ -18,10 +18,11 @@ import mlx.core as mx
 import pytest
 
 import mlx_v41
-from mlx_v41 import chat_format as cf
-from mlx_v41.cache import CacheError
-from mlx_v41.chat import ChatSession, assistant_message, main, repl
-from mlx_v41.generate import PromptTooLongError, stream_generate
+from mlx_v41.chat import format as cf
+from mlx_v41.cache.layer import CacheError
+from mlx_v41.chat.session import ChatSession, assistant_message
+from mlx_v41.cli.chat import main, repl
+from mlx_v41.generation.api import PromptTooLongError, stream_generate
 from conftest import golden_checkpoint, with_context, writable_copy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +129,7 @@ def test_interrupt_keeps_the_session_usable(loaded, monkeypatch):
         raise KeyboardInterrupt
 
     before = (list(session.messages), session.live, session.snapshot)
-    monkeypatch.setattr(sys.modules["mlx_v41.chat"], "prefill", stopped)
+    monkeypatch.setattr(sys.modules["mlx_v41.chat.session"], "prefill", stopped)
     with pytest.raises(KeyboardInterrupt):
         reply(session, "Interrupted while prefilling")
     session.interrupt()

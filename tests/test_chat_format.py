@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_v41 import chat_format as cf
-from mlx_v41.chat_format import (ASSISTANT, EOS, THINK_END, THINK_START, USER, encode_messages,
+from mlx_v41.chat import format as cf
+from mlx_v41.chat.format import (ASSISTANT, EOS, THINK_END, THINK_START, USER, encode_messages,
                                  parse_completion)
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "chat_vectors.json").read_text("utf-8"))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from mlx_v41 import ConfigError, ModelArgs
-from mlx_v41.config import TextConfig, official_config_path
-from mlx_v41.layer_roles import decoder_start, layer_roles
+from mlx_v41.model.config import TextConfig, official_config_path
+from mlx_v41.model.schedule import decoder_start, layer_roles
 
 TINY_CONFIG = Path(__file__).parent / "data" / "goldens" / "tiny" / "hf" / "config.json"
 

@@ -29,15 +29,16 @@ from mlx.utils import tree_flatten
 import mlx_v41
 import mlx_v41.convert.writer as writer
 from checkpoint_factory import write_checkpoint
-from mlx_v41.random_checkpoint import (Tensor, encode_bf16, engram_num_embeddings,
-                                       tiny_text_config)
+from mlx_v41.checkpoint.random_checkpoint import (Tensor, encode_bf16, engram_num_embeddings,
+                                                  tiny_text_config)
 from conftest import golden_checkpoint
 from mlx_v41 import CheckpointError, load_model
 from mlx_v41.convert import convert
 from mlx_v41.convert.cli import main
-from mlx_v41.converted import MANIFEST
-from mlx_v41.engram_hash import build_token_map
-from mlx_v41.layers import is_quantized
+from mlx_v41.checkpoint.converted import MANIFEST
+from mlx_v41.checkpoint.safetensors_io import SafetensorsFile
+from mlx_v41.model.engram_hash import build_token_map
+from mlx_v41.model.layers import is_quantized
 from shard_bytes import read_shard, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +137,7 @@ def test_extras_are_byte_exact_and_drop_flags(tmp_path):
         kept.update(mx.load(str(path)))
     assert {n for n in names if n.startswith(("mtp.", "vision.", "aligner.", "image_"))} \
         == set(kept)
-    raw = mlx_v41.safetensors_io.SafetensorsFile(GOLDEN / names["mtp.0.attn.wq_a.weight"])
+    raw = SafetensorsFile(GOLDEN / names["mtp.0.attn.wq_a.weight"])
     assert np.array_equal(np.array(kept["mtp.0.attn.wq_a.weight"]),
                           raw.numpy("mtp.0.attn.wq_a.weight"))
     slim = convert(GOLDEN, tmp_path / "slim", drop_vision=True, drop_dspark=True, **QUIET)

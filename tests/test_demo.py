@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 import mlx_v41
-from mlx_v41 import chat_format as cf
-from mlx_v41 import random_checkpoint
-from mlx_v41.demo import (CHAT_SPECIALS, MARKER, ensure_demo_checkpoint, write_demo_tokenizer)
-from mlx_v41.tokenizer import load_tokenizer
+from mlx_v41.chat import format as cf
+from mlx_v41.checkpoint import random_checkpoint
+from mlx_v41.checkpoint.demo import (CHAT_SPECIALS, MARKER, ensure_demo_checkpoint,
+                                     write_demo_tokenizer)
+from mlx_v41.chat.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDENS = REPO / "tests" / "data" / "goldens"
@@ -94,7 +95,7 @@ def run(args, root):
 
 def test_demo_command_shows_every_stage(demo):
     _, root = demo
-    done = run(["-m", "mlx_v41.demo", "-m", "3"], root)
+    done = run(["-m", "mlx_v41", "demo", "-m", "3"], root)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     out = done.stdout
     assert "text below is random" in out
@@ -104,7 +105,7 @@ def test_demo_command_shows_every_stage(demo):
 
 
 def test_generate_command_with_the_demo_model(demo, capsys):
-    from mlx_v41.generate import main
+    from mlx_v41.cli.generate import main
 
     assert main(["--model", "demo", "-p", "Hi", "-m", "2"]) == 0
     out, err = capsys.readouterr()

@@ -8,17 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mlx_v41.engram_hash import (
-    DEAD,
-    EngramHasher,
-    build_token_map,
-    engram_multipliers,
-    engram_offsets,
-    engram_primes,
-    load_token_map,
-    ngram_hashes,
-    padded_lookback,
-)
+from mlx_v41.model.engram_hash import (DEAD, EngramHasher, build_token_map, engram_multipliers,
+                                       engram_offsets, engram_primes, load_token_map, ngram_hashes,
+                                       padded_lookback)
 
 DATA = Path(__file__).parent / "data" / "engram"
 VECTORS = json.loads((DATA / "engram_vectors.json").read_text())

@@ -17,10 +17,11 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_v41
-from mlx_v41 import chat_format as cf
-from mlx_v41.cache import CacheError
-from mlx_v41.generate import (PromptCache, PromptTooLongError, main, reuse_prompt_cache,
-                              setup_arg_parser, stream_generate)
+from mlx_v41.chat import format as cf
+from mlx_v41.cache.layer import CacheError
+from mlx_v41.generation.prompt_reuse import PromptCache, reuse_prompt_cache
+from mlx_v41.generation.api import PromptTooLongError, stream_generate
+from mlx_v41.cli.generate import main, setup_arg_parser
 from conftest import golden_checkpoint, with_context, writable_copy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def cached_load(monkeypatch):
     """The CLI's `load`, memoised: CLI tests load each checkpoint once."""
     import functools
 
-    module = sys.modules["mlx_v41.generate"]  # `mlx_v41.generate` is the function
+    module = sys.modules["mlx_v41.cli.generate"]
     monkeypatch.setattr(module, "load", functools.lru_cache(None)(mlx_v41.load))
 
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from mlx_v41.config import ModelArgs
-from mlx_v41.inspect import global_bytes_per_token, main, parse_bytes, parse_count
+from mlx_v41.model.config import ModelArgs
+from mlx_v41.cli.inspect import global_bytes_per_token, main, parse_bytes, parse_count
 from conftest import golden_checkpoint
 
 
@@ -18,7 +18,7 @@ def test_official_config_is_890_bytes_per_token():
 def test_official_ced_halo_matches_the_spec_table():
     """cache.md §4.2: layer 20 reads 2541 window rows and computes 2414; layer 21 2414 / 2287;
     127 fewer per layer; the last layer computes 1 row."""
-    from mlx_v41.layer_roles import ced_halo
+    from mlx_v41.model.schedule import ced_halo
 
     cfg = ModelArgs().text_config
     spans = ced_halo(cfg, 10 ** 6)
@@ -50,7 +50,7 @@ def test_cli_reads_a_model_folder(capsys):
 
 
 def test_cli_bad_input_is_one_line():
-    run = subprocess.run([sys.executable, "-m", "mlx_v41.inspect", "--model", "/nonexistent"],
+    run = subprocess.run([sys.executable, "-m", "mlx_v41", "inspect", "--model", "/nonexistent"],
                          capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "config.json" in run.stderr

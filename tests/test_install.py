@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_v41
 import mlx_v41.convert
-from mlx_v41.config import official_config_path
+from mlx_v41.model.config import official_config_path
 
 target, golden, repo_metal = (Path(a).resolve() for a in sys.argv[1:4])
 metal = importlib.resources.files("mlx_v41.metal")

@@ -17,10 +17,10 @@ import pytest
 
 import mlx_v41
 from mlx_v41 import CheckpointError, ConfigError, load_model
-from mlx_v41.layers import QuantLinear
-from mlx_v41.loader import load_weights
-from mlx_v41.model import Model
-from mlx_v41.moe import SwitchLinear
+from mlx_v41.model.layers import QuantLinear
+from mlx_v41.checkpoint.loader import load_weights
+from mlx_v41.model.model import Model
+from mlx_v41.model.moe import SwitchLinear
 from conftest import golden_checkpoint
 from shard_bytes import read_shard, write_shard
 

@@ -55,11 +55,11 @@ from mlx_lm.models import deepseek_v41 as mlx_lm_v41  # noqa: E402
 from mlx_lm.utils import load_model as load_mlx_lm  # noqa: E402
 
 import mlx_v41  # noqa: E402
-from mlx_v41 import moe  # noqa: E402
-from mlx_v41.layers import QuantLinear  # noqa: E402
+from mlx_v41.model import moe  # noqa: E402
+from mlx_v41.model.layers import QuantLinear  # noqa: E402
 
 from checkpoint_factory import write_checkpoint  # noqa: E402
-from mlx_v41.random_checkpoint import tiny_text_config  # noqa: E402
+from mlx_v41.checkpoint.random_checkpoint import tiny_text_config  # noqa: E402
 
 # Ragged calls: an odd prefill leaves a ratio-2 group open, then decode steps, then chunks
 # that wrap the window (16 rows).

@@ -84,8 +84,8 @@ def test_selection_in_row_blocks_is_exact(tiny, prompt, monkeypatch):
     """The indexer scores and selects query rows in blocks and decodes the packed index keys
     in blocks of rows (bounded memory at long contexts); one query row per block and key
     blocks of 3 rows must give the same scores, selections, pool and logits as one block."""
-    import mlx_v41.attention as attention
-    import mlx_v41.indexer as indexer
+    import mlx_v41.model.attention as attention
+    import mlx_v41.model.indexer as indexer
 
     whole = {}
     logits = tiny(prompt, capture=whole)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_v41 import quant
+from mlx_v41.model import quant
 
 RNG_SEED = 20240601
 E4M3_NAN = (0x7F, 0xFF)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_v41.indexer import NEG_INF, candidate_pool, top_rows
+from mlx_v41.model.indexer import NEG_INF, candidate_pool, top_rows
 
 
 def _tie_rows(golden, layer: int, kind: str = "index") -> set:
@@ -75,7 +75,7 @@ def test_fused_head_sum_matches_plain_ops_across_shapes():
     """The indexer's head sum is compiled shapeless (no retrace as the cache grows); its
     broadcast of the per-head weights must stay right when shapes change between calls,
     including calls where the key axis has length 1."""
-    from mlx_v41.indexer import _weighted_relu_sum
+    from mlx_v41.model.indexer import _weighted_relu_sum
 
     def plain(qk, w):
         weighted = (mx.maximum(qk.astype(mx.bfloat16), 0) * w).astype(mx.bfloat16)

@@ -14,7 +14,7 @@ import functools
 
 import mlx.core as mx
 
-from ..quant import FP4_E4M3_BLOCK, unpack_fp4_e4m3
+from ..model.quant import FP4_E4M3_BLOCK, unpack_fp4_e4m3
 from .builder import build_kernel
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN

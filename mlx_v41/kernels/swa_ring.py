@@ -14,7 +14,7 @@ import functools
 
 import mlx.core as mx
 
-from ..quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
+from ..model.quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
 from .builder import build_kernel
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)

@@ -15,9 +15,9 @@ import sys
 
 from mlx.utils import tree_flatten
 
-from .cache import RING_FACTOR, rollback_limit
-from .config import ConfigError, ModelArgs, TextConfig, official_config_path
-from .layer_roles import FULL, ced_halo, decoder_start, format_schedule, layer_roles
+from ..cache.layer import RING_FACTOR, rollback_limit
+from ..model.config import ConfigError, ModelArgs, TextConfig, official_config_path
+from ..model.schedule import FULL, ced_halo, decoder_start, format_schedule, layer_roles
 
 FP32_BYTES = 4
 
@@ -47,9 +47,9 @@ def fixed_cache_bytes(cfg: TextConfig) -> dict:
 
 def weight_bytes(args: ModelArgs) -> tuple[int, int]:
     """(resident weights, memory-mapped Engram tables) of the model as this package holds it."""
-    from .model import Model
+    from ..model.model import Model
 
-    from .engram import EngramTable
+    from ..model.engram import EngramTable
 
     model = Model(args)  # parameters stay lazy: nothing is allocated
     resident = sum(value.nbytes for _, value in tree_flatten(model.parameters()))

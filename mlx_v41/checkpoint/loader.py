@@ -17,8 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .engram import EngramRows, EngramTable
-from .quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
+from ..model.engram import EngramRows, EngramTable
+from ..model.quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
 from .safetensors_io import CheckpointError, SafetensorsFile
 
 # Storage kinds: "plain" (BF16/F32, cast to the parameter dtype), "fp8" (F8_E4M3 weight +

@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .engram import EngramRows
-from .layers import configure_quantization
+from ..model.engram import EngramRows
+from ..model.layers import configure_quantization
 from .loader import data_start, engram_tables
 from .safetensors_io import CheckpointError, SafetensorsFile
 

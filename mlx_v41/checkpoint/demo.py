@@ -10,24 +10,36 @@ are random, so its text is random: the demo shows the machinery, not a language 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
-import time
 from pathlib import Path
-from typing import Optional
 
-from . import chat_format as cf
+from ..chat import format as cf
+
 
 DEMO_VERSION = 1  # bump when the demo checkpoint's recipe changes
+
+
+
 VOCAB_SIZE = 512  # the tiny config's vocabulary
+
+
+
 LEADING_SPECIALS = (cf.BOS, cf.EOS, cf.PAD)  # ids 0, 1, 2 as in the published vocabulary
+
+
+
 # The chat tokens close the vocabulary (504-511): System is the DSpark noise id 504 and the
 # image placeholder the image_token_id 511 of the tiny config, as in the published layout.
 CHAT_SPECIALS = (cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK_START, cf.THINK_END, cf.DSML,
                  cf.LATEST_REMINDER, cf.IMAGE_PLACEHOLDER)
+
+
+
 MARKER = "DEMO.txt"  # written last: a folder holding it is complete
+
+
+
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A model reads tokens and writes tokens.
 DeepSeek V4.1 Flash runs in MLX on Apple silicon: attention, experts, memory and caches.
@@ -44,10 +56,12 @@ Once upon a time there was a small program that wanted to talk with everyone it 
 """
 
 
+
 def demo_folder() -> Path:
     """Where the demo checkpoint lives: $XDG_CACHE_HOME (or ~/.cache)/mlx_v41/demo-v<N>."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "mlx_v41" / f"demo-v{DEMO_VERSION}"
+
 
 
 def write_demo_tokenizer(folder) -> None:
@@ -79,6 +93,7 @@ def write_demo_tokenizer(folder) -> None:
                                                              ensure_ascii=False))
 
 
+
 def build_demo_checkpoint(folder) -> Path:
     """Write the demo checkpoint (tokenizer, config, shards) into `folder`."""
     from .random_checkpoint import tiny_text_config, write_checkpoint
@@ -90,6 +105,7 @@ def build_demo_checkpoint(folder) -> Path:
     (folder / MARKER).write_text("A tiny random checkpoint made by mlx_v41.demo: its weights "
                                  "are random, so its text is random.\n")
     return folder
+
 
 
 def ensure_demo_checkpoint(folder=None, rebuild: bool = False) -> Path:
@@ -109,69 +125,3 @@ def ensure_demo_checkpoint(folder=None, rebuild: bool = False) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(staging, ignore_errors=True)
     return folder
-
-
-def _stage(number: int, text: str) -> None:
-    print(f"[{number}] {text}", flush=True)
-
-
-def run_demo(prompt: str, max_tokens: int, folder: Optional[Path], rebuild: bool) -> None:
-    import mlx.core as mx
-
-    from .cache import cache_bytes
-    from .chat import ChatSession
-    from .generate import load, print_stats
-
-    print("mlx_v41 demo: a tiny random checkpoint, so the text below is random; every stage "
-          "is the real pipeline.")
-    tic = time.perf_counter()
-    folder = ensure_demo_checkpoint(folder, rebuild)
-    size = sum(f.stat().st_size for f in folder.iterdir())
-    _stage(1, f"checkpoint: {folder} ({size / 2**20:.1f} MiB, published layout) "
-              f"in {time.perf_counter() - tic:.1f} s")
-    tic = time.perf_counter()
-    model, tokenizer = load(folder)
-    cfg = model.args.text_config
-    _stage(2, f"load: {cfg.num_hidden_layers} + {cfg.num_nextn_predict_layers} layers, hidden "
-              f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}, in {time.perf_counter() - tic:.1f} s")
-    mx.random.seed(0)
-    session = ChatSession(model, tokenizer, thinking=False, max_tokens=max_tokens)
-    tokens = tokenizer.encode_chat(session.conversation() + [{"role": "user", "content": prompt}],
-                                   thinking=False)
-    _stage(3, f"chat format: {tokenizer.decode(tokens)!r} -> {len(tokens)} tokens")
-    _stage(4, "prefill + decode (greedy):")
-    response = None
-    for response in session.reply(prompt):
-        print(response.text, end="", flush=True)
-    print()
-    print_stats(response)
-    follow_up = "And then?"
-    for response in session.reply(follow_up):
-        pass
-    s = session.stats
-    _stage(5, f"second turn {follow_up!r}: prompt {s.prompt_tokens} tokens, {s.reused_tokens} "
-              f"reused from the cache, {s.prefilled_tokens} prefilled")
-    sizes = cache_bytes(session.live.cache)
-    _stage(6, f"cache: {len(session.live.tokens)} positions, {sizes['total']} bytes (global KV "
-              f"{sizes['global_kv']}, window rings {sizes['window']}, other {sizes['other']})")
-    print("next: mlx_v41.chat --model demo, or --model <the real checkpoint>")
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx_v41.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("-p", "--prompt", default="Hello! What is two plus two?")
-    parser.add_argument("-m", "--max-tokens", type=int, default=16)
-    parser.add_argument("--folder", type=Path, default=None,
-                        help="where to build the demo checkpoint (default ~/.cache/mlx_v41)")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the checkpoint")
-    args = parser.parse_args(argv)
-    try:
-        run_demo(args.prompt, args.max_tokens, args.folder, args.rebuild)
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

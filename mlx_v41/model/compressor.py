@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import CompressedKV
+from ..cache.layer import CompressedKV
 from .layers import Linear, RMSNorm
 
 

@@ -11,15 +11,15 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import LayerCache
+from ..cache.layer import LayerCache
 from .compressor import Compressor
 from .config import TextConfig
-from .indexer import (KEY_BLOCK, NEG_INF, Indexer, candidate_blocks, expand_blocks,
-                      top_rows, visible_rows)
-from .layer_roles import FULL, LayerRole
+from .indexer import (KEY_BLOCK, NEG_INF, Indexer, candidate_blocks, expand_blocks, top_rows,
+                      visible_rows)
+from .schedule import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized
-from .kernels import Kernels
-from .kernels.sparse_attention import packed_row_bytes, sparse_attention
+from ..kernels import Kernels
+from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq, unpack_fp4_e8m0
 from .rope import shared_rope
 

@@ -18,10 +18,10 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .kernels import Kernels
-from .kernels.fp4_pack import fp4_pack
-from .kernels.swa_ring import swa_ring_update
-from .quant import unpack_fp8_e8m0
+from ..kernels import Kernels
+from ..kernels.fp4_pack import fp4_pack
+from ..kernels.swa_ring import swa_ring_update
+from ..model.quant import unpack_fp8_e8m0
 
 GROW_STEP = 256  # rows added when a compressed cache fills
 ENGRAM_KEPT = 512  # Engram ids kept: > the most a trim can undo (one ring) + the n-gram history

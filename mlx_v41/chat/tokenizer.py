@@ -13,8 +13,8 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import (NaiveStreamingDetokenizer, StreamingDetokenizer,
                                     TokenizerWrapper)
 
-from . import chat_format as cf
-from .safetensors_io import CheckpointError
+from . import format as cf
+from ..checkpoint.safetensors_io import CheckpointError
 
 # Tokens the renderer emits for a plain conversation; each must be one token of the vocabulary.
 CHAT_TOKENS = (cf.BOS, cf.EOS, cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK_START, cf.THINK_END)

@@ -59,9 +59,9 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     Raises:
         CheckpointError / ConfigError: naming the missing or bad file.
     """
-    from . import load_model
-    from .config import ModelArgs
-    from .tokenizer import load_tokenizer
+    from .load import load_model
+    from ..model.config import ModelArgs
+    from ..chat.tokenizer import load_tokenizer
 
     folder = resolve_model_path(path_or_repo)
     args = ModelArgs.from_file(folder / "config.json")

@@ -18,7 +18,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .cache import CacheError, LayerCache
+from .layer import CacheError, LayerCache
 
 FORMAT = "mlx_v41.prompt_cache.v1"
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from .layers import QuantLinear
 from .quant import e4m3_to_float, e8m0_to_float
-from .safetensors_io import CheckpointError
+from ..checkpoint.safetensors_io import CheckpointError
 
 GATE_FLOOR = 1e-6  # clamp on |dot| before the signed square root
 ROW_GROUP = 32  # values per E8M0 scale within a row

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .config import official_config_path
+from ..model.config import official_config_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "engram_token_map.json")
 FP8_MAX = 448.0  # largest finite E4M3FN value
@@ -98,7 +98,7 @@ def without_engram(text_config: dict) -> dict:
 
 def engram_num_embeddings(cfg: dict) -> list:
     """Table rows per Engram layer: the sum of its primes (spec engram.md §3.1)."""
-    from .engram_hash import engram_primes
+    from ..model.engram_hash import engram_primes
 
     primes = engram_primes(cfg["engram_layer_ids"], cfg["engram_max_ngram_size"],
                            cfg["engram_n_heads"], cfg["engram_vocab_size"])
@@ -402,7 +402,7 @@ def _write_token_files(folder: Path, cfg: dict, seed: int, tokenizer_dir: Option
     if not cfg["engram_layer_ids"]:
         return cfg
     if (folder / "tokenizer.json").is_file():
-        from .engram_hash import build_token_map
+        from ..model.engram_hash import build_token_map
 
         token_map = build_token_map(folder / "tokenizer.json")
         return {**cfg, "engram_compressed_vocab_size": int(token_map.max()) + 1}

@@ -12,13 +12,13 @@ import mlx.nn as nn
 import numpy as np
 
 from .attention import Attention, ForwardContext
-from .cache import ENGRAM_KEPT, LayerCache, rollback_limit
+from ..cache.layer import ENGRAM_KEPT, LayerCache, rollback_limit
 from .config import ModelArgs, TextConfig
 from .engram import Engram
 from .engram_hash import EngramHasher
-from .hyper_connections import HyperConnection, collapse, expand
-from .kernels import Kernels
-from .layer_roles import ced_halo, decoder_start, layer_roles
+from .mhc import HyperConnection, collapse, expand
+from ..kernels import Kernels
+from .schedule import ced_halo, decoder_start, layer_roles
 from .layers import RMSNorm
 from .moe import MoE
 

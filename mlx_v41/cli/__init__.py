@@ -1,0 +1,2 @@
+"""Command-line entry points (argparse only): generate, chat, inspect, demo.
+"""

@@ -1,0 +1,110 @@
+"""The flags `mlx_v41.generate` and `mlx_v41.chat` share (mlx-lm's names), one-line argument
+errors, and the prefill progress line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+from ..model.model import PREFILL_MODES
+from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
+
+
+DEFAULT_PROMPT = "hello"
+
+
+
+DEFAULT_MAX_TOKENS = 100
+
+
+
+DEFAULT_TEMP = 0.0
+
+
+
+DEFAULT_TOP_P = 1.0
+
+
+
+DEFAULT_MIN_P = 0.0
+
+
+
+DEFAULT_TOP_K = 0
+
+
+
+PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder halo; full: "
+                     "every layer over every prompt row, like the reference; ced_replay: the "
+                     "tech report's bounded replay, APPROXIMATE (its logits differ from "
+                     "ced/full)")
+
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Reports a bad flag or value on one line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+
+def _number(kind, low=None, high=None, what=""):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+
+def _effort(text):
+    from ..chat.format import resolve_reasoning_effort
+
+    value = int(text) if text.strip().lstrip("-").isdigit() else text
+    try:
+        resolve_reasoning_effort(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+
+def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
+    """The flags `mlx_v41.generate` and `mlx_v41.chat` share (mlx-lm's names)."""
+    add = parser.add_argument
+    add("--model", required=True,
+        help="model folder (published layout), Hugging Face repo id, or 'demo' (a tiny random "
+             "checkpoint built on first use; its text is random)")
+    add("--system-prompt", default=None, help="system message for the chat format")
+    add("-m", "--max-tokens", type=_number(int, 1, what="a positive integer"),
+        default=default_max_tokens, help=f"most tokens to generate (default {default_max_tokens})")
+    add("--temp", type=_number(float, 0.0, what="a temperature >= 0"), default=DEFAULT_TEMP,
+        help="sampling temperature; 0 is greedy (default 0; the model card evaluates at 1.0)")
+    add("--top-p", type=_number(float, 0.0, 1.0, what="a probability in [0, 1]"),
+        default=DEFAULT_TOP_P, help="nucleus sampling (default 1.0: off; model card: 0.95)")
+    add("--min-p", type=_number(float, 0.0, 1.0, what="a probability in [0, 1]"),
+        default=DEFAULT_MIN_P, help="min-p sampling (default 0: off)")
+    add("--top-k", type=_number(int, 0, what="an integer >= 0"), default=DEFAULT_TOP_K,
+        help="top-k sampling (default 0: off)")
+    add("--seed", type=int, default=default_seed, help="PRNG seed")
+    add("--prefill-step-size", type=_number(int, 1, what="a positive integer"),
+        default=DEFAULT_PREFILL_STEP_SIZE,
+        help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_STEP_SIZE})")
+    add("--prefill-mode", choices=PREFILL_MODES, default="ced", help=PREFILL_MODE_HELP)
+    add("--thinking", action=argparse.BooleanOptionalAction, default=True,
+        help="thinking mode (the reply reasons before answering; default) or chat mode")
+    add("--reasoning-effort", type=_effort, default=None,
+        help="thinking mode only: low (50), high (75, default), max (100) or an integer 1-100")
+
+
+
+def make_sampler_from(args):
+    from mlx_lm.sample_utils import make_sampler
+
+    return make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)

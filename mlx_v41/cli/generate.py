@@ -1,0 +1,117 @@
+"""`mlx_v41.generate`: one reply to a prompt, in mlx-lm's conventions.
+
+    mlx_v41.generate --model demo -p "Hello"
+    mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash -p "Why is the sky blue?" -m 512
+
+Prompts are rendered with the V4.1 chat format; generation stops on EOS and the end-of-turn
+tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..cache.layer import CacheError
+from ..cache.persistence import load_prompt_cache
+from ..checkpoint.source import DEMO, load
+from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
+                   make_sampler_from)
+from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
+from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
+from ..generation.api import PrefillProgress
+
+
+def setup_arg_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mlx_v41.generate",
+                            description="Generate a reply with DeepSeek V4.1 Flash.")
+    add_model_arguments(parser, DEFAULT_MAX_TOKENS, None)
+    parser.add_argument("-p", "--prompt", default=DEFAULT_PROMPT,
+                        help="the user message ('-' reads it from stdin)")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="use the prompt text as is (BOS added when missing)")
+    parser.add_argument("--prompt-cache-file", default=None,
+                        help="prompt cache file (mlx_v41 format, e.g. a saved chat session): "
+                             "its cached prefix of this prompt is reused; written with this "
+                             "prompt when the file does not exist")
+    return parser
+
+
+
+def prompt_tokens(args, tokenizer) -> List[int]:
+    """The CLI prompt as token ids: the chat format unless --ignore-chat-template."""
+    text = sys.stdin.read() if args.prompt == "-" else \
+        args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if args.ignore_chat_template:
+        return tokenizer.encode_prompt(text)
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.encode_chat(messages, args.thinking, args.reasoning_effort)
+
+
+
+def _cached_prefix(path: Path, model, tokens) -> PromptCache:
+    cache, meta = load_prompt_cache(path, model, return_metadata=True)
+    if "tokens" not in meta:
+        raise CacheError(f"{path}: the prompt cache does not record its tokens")
+    reused, _ = reuse_prompt_cache(model, tokens, [PromptCache(cache, json.loads(meta["tokens"]))])
+    print(f"prompt cache: reusing {len(reused.tokens)} of {len(tokens)} prompt tokens",
+          file=sys.stderr)
+    return reused
+
+
+
+def run(args) -> int:
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    if args.model == DEMO:
+        print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
+    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode)
+    with wired_limit(model):
+        response = _reply(args, model, tokenizer)
+    print("=" * 10)
+    print_stats(response)
+    return 0
+
+
+
+def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
+    """Prefill (reusing a prompt-cache file), then stream the reply to stdout."""
+    tokens = prompt_tokens(args, tokenizer)
+    path = Path(args.prompt_cache_file) if args.prompt_cache_file else None
+    state = _cached_prefix(path, model, tokens) if path and path.exists() else \
+        PromptCache(model.make_cache())
+    todo = tokens[len(state.tokens):]
+    tic = time.perf_counter()
+    logits = prefill(model, todo, state.cache, args.prefill_step_size,
+                     PrefillProgress(args.prefill_step_size))
+    seconds = time.perf_counter() - tic
+    if path and not path.exists():
+        write_prompt_cache(path, state.cache, model, {"tokens": json.dumps(tokens),
+                                                      "model": str(args.model)})
+    print("=" * 10, flush=True)
+    response = None
+    for response in stream_decode(model, tokenizer, logits, state.cache, prompt_tokens=len(todo),
+                                  prompt_seconds=seconds, max_tokens=args.max_tokens,
+                                  sampler=make_sampler_from(args), history=todo):
+        print(response.text, end="", flush=True)
+    print()
+    return response
+
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # CheckpointError, ConfigError, CacheError, bad prompt
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,7 +1,8 @@
 """Saving, loading and copying whole-model caches (prompt caches).
 
-A file is one safetensors with every layer's packed state and a metadata block naming the
-model config's fingerprint, so a cache from another model or config is refused. mlx-lm's
+A file is one safetensors with every layer's packed state and a metadata block naming what the
+cache depends on: the text config, the weights and the prefill mode, each fingerprinted
+separately so that a refusal can name the part that differs. mlx-lm's
 `save_prompt_cache`/`load_prompt_cache` cannot be used as is: its loader only rebuilds its own
 cache classes. Its `can_trim_prompt_cache`/`trim_prompt_cache` work on our caches
 (`is_trimmable`/`trim`), but `trim_cache` here is atomic across layers.
@@ -12,21 +13,52 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .layer import CacheError, LayerCache
 
-FORMAT = "mlx_v41.prompt_cache.v1"
+FORMAT_FAMILY = "mlx_v41.prompt_cache."
+FORMAT = FORMAT_FAMILY + "v2"  # v2: weights and prefill-mode fingerprints (v1: config only)
+SAMPLE = 64  # leading elements hashed per parameter of a model built without a folder
 
 
 def config_fingerprint(model) -> str:
     """sha256 of the text config: caches are only valid for the model that made them."""
     text = json.dumps(model.args.to_dict()["text_config"], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def weights_fingerprint(model) -> str:
+    """The fingerprint `load_model` took of the checkpoint files, else that of the parameters
+    (a model built in memory)."""
+    return getattr(model, "weights_fingerprint", None) or _parameter_fingerprint(model)
+
+
+def _parameter_fingerprint(model) -> str:
+    """sha256 of each parameter's name, dtype, shape and first `SAMPLE` elements."""
+    params = sorted(tree_flatten(model.parameters()), key=lambda item: item[0])
+    heads = [p.reshape(-1)[:SAMPLE].astype(mx.float32) for _, p in params]
+    mx.eval(heads)
+    digest = hashlib.sha256()
+    for (name, p), head in zip(params, heads):
+        digest.update(f"{name}:{p.dtype}:{p.shape}".encode())
+        digest.update(np.array(head).tobytes())
+    return digest.hexdigest()
+
+
+def fingerprints(model) -> dict:
+    """What a cache depends on, as metadata strings: config, weights and prefill mode (an
+    approximate `ced_replay` cache or another CED halo must not feed an exact model)."""
+    prefill = {"prefill_mode": model.prefill_mode, "ced_rollback": model.ced_rollback}
+    return {"config": config_fingerprint(model), "weights": weights_fingerprint(model),
+            "prefill": json.dumps(prefill, sort_keys=True)}
 
 
 def _layer_state(i: int, c: LayerCache) -> tuple[dict, dict]:
@@ -50,31 +82,35 @@ def _layer_state(i: int, c: LayerCache) -> tuple[dict, dict]:
 
 
 def save_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None) -> None:
-    """Write `cache` to `path` (.safetensors) atomically, with optional string metadata."""
+    """Write `cache` to `path` (any file name) atomically, with optional string metadata."""
     arrays, layers = {}, []
     for i, c in enumerate(cache):
         a, meta = _layer_state(i, c)
         arrays.update(a)
         layers.append(meta)
-    info = {"format": FORMAT, "fingerprint": config_fingerprint(model),
-            "layers": json.dumps(layers), "user": json.dumps(metadata or {})}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=info)
-    tmp.replace(path)
+    info = {"format": FORMAT, **fingerprints(model), "layers": json.dumps(layers),
+            "user": json.dumps(metadata or {})}
+    _write_atomic(Path(path), arrays, info)
+
+
+def _write_atomic(path: Path, arrays: dict, info: dict) -> None:
+    """MLX appends `.safetensors` to any other name, so write a uniquely named `.safetensors`
+    sibling and rename it to the exact name; a failed write leaves the old file as it was."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=info)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_prompt_cache(path, model, return_metadata: bool = False):
-    """A new cache list from `path`; refuses a file from another model or config."""
+    """A new cache list from `path`; refuses a file from another config, other weights or
+    another prefill mode."""
     path = Path(path)
-    try:
-        arrays, info = mx.load(str(path), return_metadata=True)
-    except Exception as e:  # MLX raises RuntimeError/ValueError with its own wording
-        raise CacheError(f"{path}: not a readable prompt-cache file ({e})") from None
-    if info.get("format") != FORMAT:
-        raise CacheError(f"{path}: not an mlx_v41 prompt cache")
-    if info.get("fingerprint") != config_fingerprint(model):
-        raise CacheError(f"{path}: the cache was made by a model with another config")
+    arrays, info = _read(path)
+    _check_origin(path, info, model)
     layers = json.loads(info["layers"])
     cache = model.make_cache()
     if len(layers) != len(cache):
@@ -83,6 +119,38 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
         _restore(i, c, meta, arrays, path)
     user = json.loads(info.get("user", "{}"))
     return (cache, user) if return_metadata else cache
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    try:  # the format given: MLX would pick it from the extension, which may be anything
+        return mx.load(str(path), format="safetensors", return_metadata=True)
+    except Exception as e:  # MLX raises RuntimeError/ValueError with its own wording
+        raise CacheError(f"{path}: not a readable prompt-cache file ({e})") from None
+
+
+def _check_origin(path: Path, info: dict, model) -> None:
+    found = info.get("format", "")
+    if found != FORMAT and found.startswith(FORMAT_FAMILY):
+        raise CacheError(f"{path}: prompt-cache format {found[len(FORMAT_FAMILY):]} from another "
+                         f"mlx_v41 version (this one reads {FORMAT[len(FORMAT_FAMILY):]}); "
+                         "make the cache again")
+    if found != FORMAT:
+        raise CacheError(f"{path}: not an mlx_v41 prompt cache")
+    expected = fingerprints(model)
+    if info.get("config") != expected["config"]:
+        raise CacheError(f"{path}: the cache was made by a model with another config")
+    if info.get("weights") != expected["weights"]:
+        raise CacheError(f"{path}: the cache was made with other weights (another checkpoint, "
+                         "conversion or quantization)")
+    if info.get("prefill") != expected["prefill"]:
+        raise CacheError(f"{path}: the cache was made with another prefill mode "
+                         f"({_prefill_text(info.get('prefill'))}; this model: "
+                         f"{_prefill_text(expected['prefill'])})")
+
+
+def _prefill_text(prefill: Optional[str]) -> str:
+    settings = json.loads(prefill or "{}")
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items())) or "unknown"
 
 
 def _restore(i: int, c: LayerCache, meta: dict, arrays: dict, path: Path) -> None:

@@ -4,16 +4,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Optional
 
 from ..model.config import ModelArgs
 from .safetensors_io import CheckpointError
 
+# Payload bytes hashed at each end of a published shard: other values under the same header
+# (another seed or fine-tune of one config) change them, and reading them costs nothing.
+SAMPLE_BYTES = 1 << 16
+
 
 def _token_map(folder: Path, cfg):
     from ..model.engram_hash import load_token_map
-    import json
     import numpy as np
 
     tokenizer = folder / "tokenizer.json"
@@ -29,6 +34,33 @@ def _token_map(folder: Path, cfg):
         return np.array(json.loads(mapping.read_text()), dtype=np.int32)
     raise CheckpointError(f"{folder}: the Engram token map needs tokenizer.json (or "
                           "engram_token_map.json)")
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """sha256 naming a checkpoint's weights, cheap at any size: a converted folder's manifest
+    file list (size and sha256 of every file), or every published shard's header and the first
+    and last `SAMPLE_BYTES` of its payload. Prompt caches record it."""
+    from .converted import is_converted, read_manifest
+    from .loader import read_index
+
+    digest = hashlib.sha256()
+    if is_converted(folder):
+        digest.update(json.dumps(read_manifest(folder)["files"], sort_keys=True).encode())
+        return digest.hexdigest()
+    for shard in sorted(set(read_index(folder).values())):
+        digest.update(shard.name.encode())
+        _hash_shard(digest, shard)
+    return digest.hexdigest()
+
+
+def _hash_shard(digest, path: Path) -> None:
+    from .loader import data_start
+
+    start, size = data_start(path), path.stat().st_size
+    with open(path, "rb") as f:
+        digest.update(f.read(start + SAMPLE_BYTES))  # the length, the header, the payload's start
+        f.seek(max(start, size - SAMPLE_BYTES))
+        digest.update(f.read())
 
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
@@ -70,4 +102,5 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         if token_map is None:
             token_map = _token_map(folder, args.text_config)
         model.engram_hasher = EngramHasher.from_config(args.text_config, token_map)
+    model.weights_fingerprint = weights_fingerprint(folder)
     return model

@@ -129,3 +129,11 @@ def test_fingerprints_name_what_differs(model):
     assert json.loads(info["prefill"]) == {"prefill_mode": "ced",
                                            "ced_rollback": model.ced_rollback}
     assert info["weights"] == model.weights_fingerprint
+
+
+def test_checkpoint_reader_has_no_writer():
+    """Prompt caches are the only safetensors the package writes (the converter has its own
+    writer); the reader's old `save_safetensors` appended `.safetensors` to its temporary name
+    and then renamed a file that did not exist."""
+    from mlx_v41.checkpoint import safetensors_io
+    assert not hasattr(safetensors_io, "save_safetensors")

@@ -97,11 +97,3 @@ class SafetensorsFile:
         if self.dtype(name) == "BF16":
             arr = arr.view(mx.bfloat16)
         return arr
-
-
-def save_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
-    """Write MLX arrays atomically (temporary sibling file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    mx.save_safetensors(str(tmp), tensors, metadata=metadata or {})
-    tmp.replace(path)

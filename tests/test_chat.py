@@ -178,7 +178,7 @@ def chat_command(*flags):
 
 
 def test_repl_over_stdin(tmp_path):
-    path = tmp_path / "s.safetensors"
+    path = tmp_path / "x.bin"  # any name: MLX alone would save it as x.bin.safetensors
     script = "\n".join(["Hello", "/stats", "/thinking off", "Again", f"/save {path}", "/reset",
                         "/stats", f"/load {path}", "/nope", "/save", "q", "never read"]) + "\n"
     argv, env = chat_command("-m", "3", "--reasoning-effort", "low")

@@ -266,8 +266,9 @@ def test_cli_prompt_options(capsys, monkeypatch, loaded, cached_load):
     assert code == 0 and f"Prompt: {len(tokenizer.encode_prompt('raw text'))} tokens" in out
 
 
-def test_cli_prompt_cache_file(capsys, tmp_path, cached_load):
-    path = tmp_path / "prompt.safetensors"
+@pytest.mark.parametrize("name", ["prompt.safetensors", "p.cache"])
+def test_cli_prompt_cache_file(capsys, tmp_path, cached_load, name):
+    path = tmp_path / name
     first = run_cli(capsys, "-p", "Hello there", "-m", "2", "--prompt-cache-file", str(path))
     assert first[0] == 0 and path.is_file() and "prompt cache" not in first[2]
     second = run_cli(capsys, "-p", "Hello there", "-m", "2", "--prompt-cache-file", str(path))

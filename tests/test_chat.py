@@ -21,6 +21,7 @@ import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.cache.layer import CacheError
 from mlx_v41.chat.session import ChatSession, assistant_message
+from mlx_v41.chat.tokenizer import apply_chat_template
 from mlx_v41.cli.chat import main, repl
 from mlx_v41.generation.api import PromptTooLongError, stream_generate
 from conftest import golden_checkpoint, with_context, writable_copy
@@ -134,6 +135,25 @@ def test_interrupt_keeps_the_session_usable(loaded, monkeypatch):
         reply(session, "Interrupted while prefilling")
     session.interrupt()
     assert (session.messages, session.live, session.snapshot) == before
+
+
+def test_chat_template_takes_only_known_keywords(loaded):
+    """The keywords mlx-lm's callers pass are taken; a misspelled one is a TypeError naming it
+    (it used to be swallowed, silently giving the default)."""
+    _, tokenizer = loaded
+    hi = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(hi, tokenize=False, enable_thinking=False)
+    assert text == tokenizer.apply_chat_template(
+        hi, tokenize=False, add_generation_prompt=True, tools=None, continue_final_message=False,
+        return_dict=False, enable_thinking=False, reasoning_effort=None)
+    assert tokenizer.apply_chat_template(hi, return_dict=False, enable_thinking=False) == \
+        tokenizer.encode(text, add_special_tokens=False)  # mlx-lm's tuner and model card call
+    for typo in ("enable_thinkng", "add_generation_promt", "reasoning_efort", "tool"):
+        with pytest.raises(TypeError, match=typo):
+            tokenizer.apply_chat_template(hi, tokenize=False, **{typo: False})
+    for flag in ("return_dict", "tokenize"):  # ids or a dict: only the wrapper makes those
+        with pytest.raises(ValueError, match=flag):
+            apply_chat_template(hi, **{flag: True})
 
 
 def test_assistant_message_parsing():

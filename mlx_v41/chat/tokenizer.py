@@ -66,13 +66,21 @@ class ByteLevelStreamingDetokenizer(StreamingDetokenizer):
 
 def apply_chat_template(messages, tools=None, add_generation_prompt=True,
                         continue_final_message=False, enable_thinking=True,
-                        reasoning_effort=None, **_):
+                        reasoning_effort=None, *, tokenize=False, return_dict=False):
     """mlx-lm's chat-template call, rendered by `chat_format.encode_messages`.
 
     `enable_thinking` picks thinking or chat mode; `tools` go into the first system message
     (one is added when there is none); `continue_final_message` leaves the last assistant turn
-    open. Other template keywords are accepted and ignored.
+    open. Any other keyword is a TypeError, so a misspelling cannot silently give a default.
+    `tokenize` and `return_dict` are taken as mlx-lm's callers pass them (False): the result
+    is text, which the `Tokenizer` wrapper tokenizes.
     """
+    if tokenize:
+        raise ValueError("apply_chat_template: tokenize=True needs the Tokenizer "
+                         "(tokenizer.apply_chat_template); this function returns text")
+    if return_dict:
+        raise ValueError("apply_chat_template: return_dict=True is not supported (the result "
+                         "is text, or token ids through the Tokenizer)")
     messages = [dict(m) for m in messages]
     if tools:
         if not messages or messages[0].get("role") != "system":

@@ -5,6 +5,7 @@ config.md §4's rules applied by hand. Neither is derived from the code under te
 """
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from mlx_v41.model.config import TextConfig, official_config_path
 from mlx_v41.model.schedule import decoder_start, layer_roles
 
 TINY_CONFIG = Path(__file__).parent / "data" / "goldens" / "tiny" / "hf" / "config.json"
+SCHEDULE_CONFIG = TINY_CONFIG.parents[2] / "schedule" / "hf" / "config.json"
 
 # config.md §3, verbatim: L | CED role | ratio | mode | KV from | top-k from | compressor |
 # indexer | candidate pool | RoPE | MoE (experts/top-k) | extra
@@ -225,12 +227,38 @@ def test_tiny_golden_config_loads():
 
 
 def test_unknown_and_optional_keys():
-    """The real file carries `transformers_version`; descriptive text keys may be left out."""
+    """The real file carries `transformers_version` (no warning); descriptive text keys may be
+    left out."""
     def edit(d):
         d["transformers_version"] = "4.57.0"
         for key in ("attention_bias", "use_cache", "hidden_act", "initializer_range"):
             del d["text_config"][key]
-    assert from_official(edit) == ModelArgs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert from_official(edit) == ModelArgs()
+
+
+def test_unknown_keys_warn_once_naming_them():
+    """A misspelled optional key would silently give the default: one warning lists them all."""
+    def edit(d):
+        d["text_config"]["sliding_windw"] = 64
+        d["vision_config"]["patch_sise"] = 16
+        d["bos_token"] = 0
+    with pytest.warns(UserWarning) as record:
+        args = from_official(edit)
+    assert args == ModelArgs() and len(record) == 1
+    message = str(record[0].message)
+    assert "\n" not in message and "config.json" in message
+    for key in ("text_config.sliding_windw", "vision_config.patch_sise", "bos_token"):
+        assert key in message, message
+
+
+@pytest.mark.parametrize("path", [official_config_path(), TINY_CONFIG, SCHEDULE_CONFIG],
+                         ids=["published", "tiny", "schedule"])
+def test_published_and_golden_configs_do_not_warn(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ModelArgs.from_file(path)
 
 
 # ---------------------------------------------------------------- missing and inconsistent keys

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -28,10 +29,16 @@ POSITIVE_TEXT_KEYS = (
     "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
     "max_position_embeddings")
 ROPE_SCALING_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+# Root keys a config.json may carry that describe the file, not the model: no warning.
+IGNORED_ROOT_KEYS = {"transformers_version"}
 
 
 class ConfigError(ValueError):
     """A config.json value is missing or inconsistent; the message names the key."""
+
+
+class ConfigWarning(UserWarning):
+    """config.json has keys no field reads (a misspelled optional key gives its default)."""
 
 
 def _check_types(obj, section: str) -> None:
@@ -264,6 +271,7 @@ class ModelArgs:
                           source, None)
         root = {k: v for k, v in data.items() if k in _field_names(cls)
                 and k not in ("text_config", "vision_config")}
+        _warn_unknown(data, source)
         return cls(**root, text_config=text, vision_config=vision)
 
     @classmethod
@@ -283,6 +291,17 @@ class ModelArgs:
 
 def _field_names(cls) -> set:
     return {f.name for f in dataclasses.fields(cls)}
+
+
+def _warn_unknown(data: dict, source: str) -> None:
+    """One warning per load listing every key no field reads, as `section.key`."""
+    unknown = sorted(set(data) - _field_names(ModelArgs) - IGNORED_ROOT_KEYS)
+    for name, cls in (("text_config", TextConfig), ("vision_config", VisionConfig)):
+        section = data.get(name) or {}
+        unknown += sorted(f"{name}.{k}" for k in set(section) - _field_names(cls))
+    if unknown:
+        warnings.warn(f"{source}: ignoring unknown keys {', '.join(unknown)} (misspelled? "
+                      "their defaults are used)", ConfigWarning, stacklevel=3)
 
 
 def _section(cls, data: dict, name: str, source: str, optional: Optional[set]):

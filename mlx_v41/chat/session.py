@@ -187,7 +187,8 @@ class ChatSession:
             "reasoning_effort": json.dumps(self.reasoning_effort)})
 
     def load(self, path) -> None:
-        """Replace this session by a saved one (same model config; CacheError otherwise)."""
+        """Replace this session by a saved one (same config, weights and prefill mode;
+        CacheError naming the difference otherwise)."""
         cache, meta = load_prompt_cache(path, self.model, return_metadata=True)
         if meta.get("format") != SESSION_FORMAT:
             raise CacheError(f"{path}: a prompt cache, but not a saved chat session")

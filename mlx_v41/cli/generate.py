@@ -36,7 +36,8 @@ def setup_arg_parser() -> ArgumentParser:
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="use the prompt text as is (BOS added when missing)")
     parser.add_argument("--prompt-cache-file", default=None,
-                        help="prompt cache file (mlx_v41 format, e.g. a saved chat session): "
+                        help="prompt cache file (mlx_v41 format, any name, e.g. a saved chat "
+                             "session made with the same model and --prefill-mode): "
                              "its cached prefix of this prompt is reused; written with this "
                              "prompt when the file does not exist")
     return parser

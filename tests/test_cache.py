@@ -7,6 +7,7 @@ import pytest
 
 import mlx_v41
 from mlx_v41 import CacheError, cache_bytes, trim_cache
+from mlx_v41.model.schedule import ced_halo
 from mlx_v41.model.config import ModelArgs, TextConfig
 from mlx_v41.model.model import Model
 from conftest import golden_checkpoint
@@ -74,10 +75,9 @@ def test_ced_prefill_equals_full_prefill(prompt, n, rollback):
 def test_ced_skips_decoder_rows(prompt):
     model = _model("ced")
     # The spec's halo, then the default one extended for a rollback of window + 1 = 17.
-    assert model.model.halo(201, "ced") == [(76, 61), (61, 46), (46, 31), (31, 16), (16, 1)]
+    assert ced_halo(model.cfg, 201) == [(76, 61), (61, 46), (46, 31), (31, 16), (16, 1)]
     assert model.ced_rollback == 17
-    assert model.model.halo(201, "ced", 17) == [(92, 77), (77, 62), (62, 47), (47, 32),
-                                                 (32, 1)]
+    assert ced_halo(model.cfg, 201, 17) == [(92, 77), (77, 62), (62, 47), (47, 32), (32, 1)]
     captured = {}
     model(prompt, last_only=True, capture=captured)
     assert captured["layers.7.out"].shape[1] == 77

@@ -13,6 +13,7 @@ Decoding a row gives exactly the reference's fake-quantised values (tests/test_c
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
@@ -86,9 +87,6 @@ class WindowRing:
             self.valid_from = position
         self.valid_from = max(self.valid_from, end - self.capacity)
         self.end = end
-
-    def can_rewind_to(self, position: int) -> bool:
-        return position <= self.end and self.valid_from <= max(0, position - self.window + 1)
 
     def rewind(self, position: int) -> None:
         self.end = position
@@ -174,37 +172,50 @@ class CompressedKV:
 
 
 class LayerCache:
-    """All state of one layer. `compressed` only for kv owners; `engram_ids` (compressed token
-    ids of the last ENGRAM_KEPT positions, [B, <= ENGRAM_KEPT] int32 numpy) only for Engram
-    layers: hashing needs 3, a trim at most a ring's worth."""
+    """All state of one layer. `offset` is the one committed position: a forward advances the
+    rings, compressed rows and Engram ids as it runs, and `commit` sets `offset` when the call
+    succeeded (`transaction` puts everything back when it did not). `compressed` only for kv
+    owners; `engram_ids` (compressed token ids of the last ENGRAM_KEPT positions, [B, <=
+    ENGRAM_KEPT] int32 numpy) only for Engram layers: hashing needs 3, a trim at most a ring's
+    worth. `trim_budget` is the rollback the whole model cache allows (set by `commit`, the same
+    in every layer), so per-layer trims by mlx-lm's helpers stay consistent."""
 
     def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
                  has_engram: bool = False):
         self.offset = 0
+        self.trim_budget = 0
         self.window = WindowRing(window)
         history = self.window.capacity if ratio > 1 else 0
         self.compressed = CompressedKV(ratio, history) if owns_kv else None
         self.engram_ids = np.zeros((1, 0), np.int32) if has_engram else None
 
+    @property
+    def batch(self) -> Optional[int]:
+        """Rows of the batch this cache holds (None while empty)."""
+        return None if self.window.rows is None else self.window.rows.shape[0]
+
     def is_trimmable(self) -> bool:
         return True
 
-    def max_trim(self) -> int:
-        """Most tokens `trim` can undo: the ring must still hold the new window."""
-        return max(0, min(self.offset, self.offset - self.window.valid_from
-                          - self.window.window + 1))
+    def exact_limit(self) -> int:
+        """Most tokens this layer alone can undo exactly: all of them while its ring still holds
+        every position it saw, else back to where the ring still holds the window."""
+        if self.window.valid_from == 0:
+            return self.offset
+        return max(0, self.offset - self.window.window + 1 - self.window.valid_from)
 
-    def can_trim(self, n: int) -> bool:
-        return 0 <= n <= self.offset and self.window.can_rewind_to(self.offset - n)
+    def max_trim(self) -> int:
+        """Most tokens `trim` undoes (the model cache's budget, see `commit`)."""
+        return min(self.trim_budget, self.offset)
 
     def trim(self, n: int) -> int:
-        """Forget the last `n` positions (mlx-lm's prompt-cache interface); returns n."""
-        if not 0 <= n <= self.offset:
-            raise CacheError(f"cannot trim {n} tokens from a cache holding {self.offset}")
-        if not self.can_trim(n):
-            raise CacheError(f"cannot trim {n} tokens: at most {self.max_trim()} can be rolled "
-                             "back exactly (the window ring holds the rows of positions "
-                             f"{self.window.valid_from}..{self.window.end - 1})")
+        """Forget the last min(n, max_trim()) positions and return how many (mlx-lm's
+        contract: trim what can be trimmed exactly, report the count)."""
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise CacheError(f"trim needs a token count >= 0, got {n!r}")
+        n = min(int(n), self.max_trim())
+        if n == 0:
+            return 0
         position = self.offset - n
         self.window.rewind(position)
         if self.compressed is not None:
@@ -212,7 +223,36 @@ class LayerCache:
         if self.engram_ids is not None:
             self.engram_ids = self.engram_ids[:, :max(0, self.engram_ids.shape[1] - n)]
         self.offset = position
+        self.trim_budget -= n
         return n
+
+    def snapshot(self) -> tuple:
+        """The layer's state (arrays are immutable, so references suffice) for `restore`."""
+        kv = None if self.compressed is None else dict(vars(self.compressed))
+        return dict(vars(self)), dict(vars(self.window)), kv
+
+    def restore(self, saved: tuple) -> None:
+        mine, window, kv = saved
+        vars(self).update(mine)
+        vars(self.window).update(window)
+        if kv is not None:
+            vars(self.compressed).update(kv)
+
+    def check(self, layer: int) -> None:
+        """Every record of the position agrees with `offset` (CacheError naming the field)."""
+        def fail(what, value):
+            raise CacheError(f"layer {layer}: {what} is {value} but the cache offset is "
+                             f"{self.offset}")
+        if self.window.end != self.offset:
+            fail("the window ring's end", self.window.end)
+        kv = self.compressed
+        if kv is not None and kv.count != self.offset // kv.ratio:
+            fail(f"the compressed row count (ratio {kv.ratio})", kv.count)
+        if kv is not None and kv.ratio > 1 and (kv.pending is not None) != bool(
+                self.offset % kv.ratio):
+            fail("the open compressor group", "present" if kv.pending else "absent")
+        if self.engram_ids is not None and self.engram_ids.shape[1] > self.offset:
+            fail("the Engram id history length", self.engram_ids.shape[1])
 
     @property
     def state(self) -> list:
@@ -234,10 +274,40 @@ class LayerCache:
         return total
 
 
+@contextmanager
+def transaction(cache: list):
+    """Run a forward over `cache`: on any exception (Ctrl-C included) every layer is put back
+    exactly as it was, so a failed call never leaves a half-advanced cache."""
+    saved = [c.snapshot() for c in cache]
+    try:
+        yield
+    except BaseException:
+        for c, s in zip(cache, saved):
+            c.restore(s)
+        raise
+
+
+def commit(cache: list, end: int) -> None:
+    """End a successful call: `end` becomes every layer's offset, the shared trim budget is the
+    smallest exact rollback over the layers, and every layer is checked against it."""
+    for c in cache:
+        c.offset = end
+    refresh_trim_budget(cache)
+    for i, c in enumerate(cache):
+        c.check(i)
+
+
+def refresh_trim_budget(cache: list) -> None:
+    """Give every layer the model cache's exact rollback (after a commit or a load)."""
+    budget = min(c.exact_limit() for c in cache) if cache else 0
+    for c in cache:
+        c.trim_budget = budget
+
+
 def trim_cache(cache: list, n: int) -> int:
-    """Trim every layer by `n` tokens, or none if any layer cannot (the cache is unchanged)."""
+    """Trim every layer by `n` tokens, or none if the cache cannot (then it is unchanged)."""
     limit = min(c.max_trim() for c in cache)
-    if not 0 <= n <= limit:
+    if not isinstance(n, (int, np.integer)) or not 0 <= n <= limit:
         raise CacheError(f"cannot trim {n} tokens from this cache: it holds {cache[0].offset} "
                          f"positions and can roll back at most {limit} exactly")
     for c in cache:

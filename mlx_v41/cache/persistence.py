@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .layer import CacheError, LayerCache
+from .layer import CacheError, LayerCache, refresh_trim_budget
 
 FORMAT_FAMILY = "mlx_v41.prompt_cache."
 FORMAT = FORMAT_FAMILY + "v2"  # v2: weights and prefill-mode fingerprints (v1: config only)
@@ -117,6 +117,7 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
         raise CacheError(f"{path}: {len(layers)} layers, the model has {len(cache)}")
     for i, (c, meta) in enumerate(zip(cache, layers)):
         _restore(i, c, meta, arrays, path)
+    _check_loaded(cache, path)
     user = json.loads(info.get("user", "{}"))
     return (cache, user) if return_metadata else cache
 
@@ -184,3 +185,18 @@ def _copy_layer(c: LayerCache) -> LayerCache:
     if c.compressed is not None:
         new.compressed = copy.copy(c.compressed)
     return new
+
+
+def _check_loaded(cache: list, path: Path) -> None:
+    """A loaded cache holds one position in every layer, each record agreeing with it; its
+    rollback budget is recomputed (it is not stored)."""
+    offsets = {c.offset for c in cache}
+    if len(offsets) != 1:
+        raise CacheError(f"{path}: the layers hold different positions {sorted(offsets)}")
+    refresh_trim_budget(cache)
+    for i, c in enumerate(cache):
+        try:
+            c.check(i)
+        except CacheError as e:
+            raise CacheError(f"{path}: {e}") from None
+

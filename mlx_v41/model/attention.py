@@ -5,7 +5,6 @@ selection for Reuse), sparse attention with sinks, inverse RoPE, grouped output 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -14,11 +13,11 @@ import mlx.nn as nn
 from ..cache.layer import LayerCache
 from .compressor import Compressor
 from .config import TextConfig
+from .shared import ForwardState
 from .indexer import (KEY_BLOCK, NEG_INF, Indexer, candidate_blocks, expand_blocks, top_rows,
                       visible_rows)
 from .schedule import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized
-from ..kernels import Kernels
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq, unpack_fp4_e8m0
 from .rope import shared_rope
@@ -28,28 +27,6 @@ from .rope import shared_rope
 # contexts (64 heads x KEY_BLOCK = 2^18 rows) a step is one row and 64 MiB.
 SCORE_BLOCK_ELEMENTS = 1 << 22
 SELECT_BLOCK_ELEMENTS = 1 << 22  # query rows x key rows in one top-k (its int64 keys: 32 MiB)
-
-
-@dataclass
-class ForwardContext:
-    """State shared across the layers of one forward call over positions [start, end)."""
-
-    start: int                                # first position of this call
-    end: int                                  # one past the last position
-    caches: list                              # LayerCache per backbone layer
-    compat_index_k_bug: bool = False
-    compat_index_k_source: Optional[int] = None
-    selections: dict = field(default_factory=dict)   # topk owner -> [B, rows, k] (-1 empty)
-    pool: Optional[mx.array] = None                  # candidate blocks [B, rows, blocks]
-    engram_rows: Optional[mx.array] = None           # [B, S, n_engram_layers, columns]
-    precompressed: set = field(default_factory=set)  # layers whose compressor already ran
-    truncate_window: bool = False                    # bounded replay: no rows before the span
-    kernels: Kernels = field(default_factory=Kernels)  # Metal kernels where they apply
-    capture: Optional[dict] = None                   # debugging: name -> intermediate
-
-    def record(self, name: str, value: mx.array) -> None:
-        if self.capture is not None:
-            self.capture[name] = value
 
 
 class GroupedLinear(nn.Module):
@@ -96,7 +73,7 @@ class Attention(nn.Module):
         self.window, self.topk = cfg.sliding_window, cfg.index_topk
         self.pool_blocks, self.pool_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
 
-    def __call__(self, x: mx.array, ctx: ForwardContext, cache: LayerCache,
+    def __call__(self, x: mx.array, ctx: ForwardState, cache: LayerCache,
                  n_out: Optional[int] = None) -> mx.array:
         """x [B, n_in, D]: attention inputs of the last n_in positions of the call. All n_in
         rows get window KV; only the last `n_out` rows (default all) are queries."""
@@ -107,7 +84,7 @@ class Attention(nn.Module):
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
-            self.compress(x, ctx, cache)
+            self.compress(x, ctx)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
         qr = self.q_a_norm(self.q_a_proj.apply(xq[:, n_in - n_out:]))
@@ -122,7 +99,7 @@ class Attention(nn.Module):
         out = self.o_a_proj(out.reshape(batch, n_out, groups, -1))
         return self.o_b_proj(out.reshape(batch, n_out, -1))
 
-    def _window(self, kv, cache: LayerCache, ctx: ForwardContext, n_out: int) -> mx.array:
+    def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
         """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows
         up to P + s. Rows before the call come from the ring, unless the call's first rows
         were skipped (then no query needs them) or the window is truncated (bounded replay)."""
@@ -133,24 +110,25 @@ class Attention(nn.Module):
         rows = kv if recent is None else mx.concatenate([recent, kv], axis=1)
         return rows[:, max(0, rows.shape[1] - n_out - self.window + 1):]
 
-    def _packed_rows(self, x, qr, ctx: ForwardContext):
+    def _packed_rows(self, x, qr, ctx: ForwardState):
         """The kv owner's packed rows [B, T, bytes] and this layer's selection [B, n, k]."""
         batch, n = x.shape[:2]
         if self.role.ratio == 0:
             return mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8), \
                 mx.zeros((batch, n, 0), mx.int32)
-        owner = ctx.caches[self.role.kv_owner].compressed
+        owner = ctx.shared[self.role.kv_owner].store
         rows = self._global_rows(x, qr, ctx)
         packed = owner.packed_rows() if owner.count else \
             mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8)
         return packed, rows
 
-    def _global_rows(self, x, qr, ctx: ForwardContext) -> mx.array:
+    def _global_rows(self, x, qr, ctx: ForwardState) -> mx.array:
         """Selected compressed rows [B, n, k] of the owner's cache for the n query rows."""
         role, n = self.role, x.shape[1]
+        shared = ctx.shared[role.kv_owner]
         if not role.has_indexer:
-            return ctx.selections[role.topk_owner][:, -n:]
-        owner = ctx.caches[role.kv_owner].compressed
+            return shared.selections[role.topk_owner][:, -n:]
+        owner = shared.store
         total = owner.count
         if total == 0:
             rows = mx.zeros((x.shape[0], n, 0), dtype=mx.int32)
@@ -163,7 +141,8 @@ class Attention(nn.Module):
             step = max(1, min(SCORE_BLOCK_ELEMENTS // (self.indexer.n_heads
                                                        * min(total, KEY_BLOCK)),
                               SELECT_BLOCK_ELEMENTS // total))
-            pools = ctx.pool[:, -n:] if role.uses_candidates and ctx.pool is not None else None
+            pools = shared.pool[:, -n:] if role.uses_candidates and shared.pool is not None \
+                else None
             picks, members, scores = [], [], []  # scores only kept when captured
             for i in range(0, n, step):
                 pick, member, block_scores = self._select_block(
@@ -176,12 +155,23 @@ class Attention(nn.Module):
                     mx.eval(pick, members[-1:], scores[-1:])
             rows = _join(picks)
             if members:
-                ctx.pool = _join(members)
+                shared.pool = _join(members)
             if scores:
                 ctx.record(f"layers.{role.layer}.indexer.score", _join(scores))
         ctx.record(f"layers.{role.layer}.indexer.topk", rows)
-        ctx.selections[role.layer] = rows
+        rows = self._teacher_forced(ctx, shared, rows)
+        shared.selections[role.layer] = rows
         return rows
+
+    def _teacher_forced(self, ctx: ForwardState, shared, rows: mx.array) -> mx.array:
+        """The given selection (and candidate pool) instead of this layer's own, when the
+        forward is teacher-forced (block-isolated parity)."""
+        teacher, layer, n = ctx.teacher, self.role.layer, rows.shape[1]
+        if teacher is None:
+            return rows
+        if layer in teacher.pool:
+            shared.pool = teacher.pool[layer][:, -n:]
+        return teacher.topk[layer][:, -n:] if layer in teacher.topk else rows
 
     def _select_block(self, x, qr, keys, pool, first: int) -> tuple:
         """(selection [B, s, k], candidate blocks or None, masked scores) of the query rows
@@ -197,20 +187,18 @@ class Attention(nn.Module):
             scores = mx.where(expand_blocks(pool, self.pool_block, total), scores, NEG_INF)
         return top_rows(scores, self.topk), member, scores
 
-    def _index_keys(self, ctx: ForwardContext, owner) -> mx.array:
+    def _index_keys(self, ctx: ForwardState, owner) -> mx.array:
         """Own packed index keys; with the compat switch, the reference's stale handle (D1)."""
-        role = self.role
-        stale = (ctx.compat_index_k_bug and role.owns_index_k and role.ratio > 1
-                 and ctx.compat_index_k_source is not None and ctx.end - ctx.start == 1
-                 and ctx.start % 2 == 0)
+        role, source = self.role, ctx.compat_index_k_source
+        stale = (source is not None and role.owns_index_k and role.ratio > 1
+                 and ctx.end - ctx.start == 1 and ctx.start % 2 == 0)
         if stale:
-            return ctx.caches[ctx.compat_index_k_source].compressed.packed_index_keys(
-                owner.count)
+            return ctx.shared[source].store.packed_index_keys(owner.count)
         return owner.packed_index_keys()
 
-    def compress(self, x, ctx: ForwardContext, cache: LayerCache) -> None:
+    def compress(self, x, ctx: ForwardState) -> None:
         """Append the owner's global rows for the call's positions (x covers all of them)."""
-        store = cache.compressed
+        store = ctx.shared[self.role.layer].store
         latents, first = self.compressor(x, store, ctx.start)
         if latents.shape[1] == 0:
             return

@@ -7,11 +7,13 @@ per copy decides how much of the shared value to add.
 from __future__ import annotations
 
 import mmap
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cache.layer import ENGRAM_KEPT
 from .layers import QuantLinear
 from .quant import e4m3_to_float, e8m0_to_float
 from ..checkpoint.safetensors_io import CheckpointError
@@ -143,3 +145,31 @@ class Engram(nn.Module):
         root = mx.sqrt(mx.maximum(mx.abs(dot), GATE_FLOOR))
         gate = mx.sigmoid(mx.where(negative, -root, root))
         return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+
+
+def engram_rows(hasher, layers: list, ids: mx.array, cache: list) -> Optional[mx.array]:
+    """Engram table rows [B, S, n_layers, columns] of a chunk of `ids` [B, S], hashed with
+    the cache's compressed-id history; the chunk's ids join that history."""
+    if not layers:
+        return None
+    if hasher is None:
+        raise RuntimeError("this model has Engram layers but no token map was loaded; "
+                           "use mlx_v41.load_model(path)")
+    batch = ids.shape[0]
+    seen = cache[layers[0]].engram_ids
+    if seen.shape[1] and seen.shape[0] != batch:
+        raise ValueError(f"ids have batch {batch} but the cache's Engram history holds batch "
+                         f"{seen.shape[0]}")
+    seen = seen if seen.shape[1] else np.zeros((batch, 0), np.int32)
+    history = np.full((batch, hasher.history_length), -1, np.int64)
+    tail = seen[:, -hasher.history_length:]
+    if tail.shape[1]:
+        history[:, -tail.shape[1]:] = tail
+    compressed = hasher.compress(np.array(ids))
+    rows, _ = hasher.hash_compressed(compressed, history)
+    # Only the recent ids are kept: a full history would be copied on every token.
+    kept = np.concatenate([seen[:, -ENGRAM_KEPT:], compressed.astype(np.int32)],
+                          axis=1)[:, -ENGRAM_KEPT:]
+    for layer in layers:
+        cache[layer].engram_ids = kept
+    return mx.array(rows.astype(np.int32))

@@ -1,26 +1,32 @@
 """The V4.1 text model: embedding, 4-copy residual stream through the backbone blocks (Engram
 before its layers), final collapse with the last block's FFN-side mix, RMSNorm and fp32 head
-(spec model.md §1–2, §7). DSpark stages and vision are not part of this module.
+(official inference/model.py `Transformer.forward`). The backbone is two stacks: the causal
+encoder (layers below the first ratio-1 kv owner) and the decoder; how a call runs them over a
+prompt (full, exact CED, bounded replay, chunking) is `prefill.py`. DSpark stages and vision are
+not part of this module.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from .attention import Attention, ForwardContext
-from ..cache.layer import ENGRAM_KEPT, LayerCache, rollback_limit
+from ..cache.layer import LayerCache, rollback_limit
+from ..kernels import Kernels
+from .attention import Attention
 from .config import ModelArgs, TextConfig
 from .engram import Engram
 from .engram_hash import EngramHasher
-from .mhc import HyperConnection, collapse, expand
-from ..kernels import Kernels
-from .schedule import ced_halo, decoder_start, layer_roles
 from .layers import RMSNorm
+from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
+from .prefill import PREFILL_MODES, run_forward
+from .schedule import decoder_start, layer_roles
+from .shared import BlockInputs, ForwardState
 
 
 class Block(nn.Module):
@@ -42,24 +48,41 @@ class Block(nn.Module):
                                  cfg.engram_head_dim, eps)
         self.role = role
 
-    def __call__(self, streams, pre_in, ctx: ForwardContext, cache: LayerCache,
+    def __call__(self, streams, pre_in, state: ForwardState, cache: LayerCache,
                  n_out: Optional[int] = None):
         """streams [B, n_in, n, D] (the last n_in positions of the call) and the previous
         block's FFN-side `pre` -> (streams, pre) of the last `n_out` positions."""
         n_in = streams.shape[1]
         n_out = n_in if n_out is None else n_out
+        streams, pre_in = self.inputs(streams, pre_in, state)
         if self.role.engram_index is not None:
-            rows = ctx.engram_rows[:, -n_in:, self.role.engram_index]
+            rows = state.engram_rows[:, -n_in:, self.role.engram_index]
             streams = self.engram(streams, rows)
+            state.record(f"layers.{self.role.layer}.engram_out", streams)
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams)
-        streams = expand(self.self_attn(u, ctx, cache, n_out), streams, a_post, a_comb)
+        streams = expand(self.self_attn(u, state, cache, n_out), streams, a_post, a_comb)
         f_pre, f_post, f_comb = self.ffn_hc(streams)
         u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)))
         streams = expand(u, streams, f_post, f_comb)
-        ctx.record(f"layers.{self.role.layer}.out", streams)
+        state.record(f"layers.{self.role.layer}.out", streams)
+        state.record(f"layers.{self.role.layer}.pre_out", f_pre)
         return streams, f_pre
+
+    def inputs(self, streams, pre_in, state: ForwardState):
+        """The block's input streams and `pre`: teacher-forced ones when given; the DSpark tap
+        (mean over the copies, before any Engram write) when this layer is tapped."""
+        layer, n_in, teacher = self.role.layer, streams.shape[1], state.teacher
+        if teacher is not None and layer in teacher.streams:
+            streams = teacher.streams[layer][:, -n_in:].astype(streams.dtype)
+            pre_in = teacher.pre[layer][:, -n_in:].astype(mx.float32)
+        if layer in state.tap_layers:
+            tap = mx.mean(streams, axis=2)
+            previous = state.taps.get(layer)
+            state.taps[layer] = tap if previous is None else \
+                mx.concatenate([previous, tap], axis=1)
+        return streams, pre_in
 
     def attention_input(self, streams, pre_in):
         """`attn_norm(hc_pre(X, pre of the previous block))` (the single-pass shift)."""
@@ -78,66 +101,39 @@ class TextModel(nn.Module):
         self.decoder_start = decoder_start(cfg)
         self.cfg = cfg
 
-    def embed(self, ids: mx.array):
-        """Token embeddings as the 4 residual copies, and layer 0's one-hot `pre`."""
-        batch, length = ids.shape
-        x = self.embed_tokens(ids)
-        streams = mx.broadcast_to(x[:, :, None, :], (batch, length, self.hc_mult, x.shape[-1]))
+    def residual_input(self, x: mx.array):
+        """Embeddings [B, S, D] as the 4 residual copies, and layer 0's one-hot `pre`."""
+        batch, length, dim = x.shape
+        streams = mx.broadcast_to(x[:, :, None, :], (batch, length, self.hc_mult, dim))
         pre = mx.zeros((batch, length, self.hc_mult), dtype=mx.float32)
         return streams, mx.concatenate([pre[..., :1] + 1, pre[..., 1:]], axis=-1)
 
-    def encode(self, ids, ctx: ForwardContext, full: bool):
-        """Layers below the decoder over every row; with `full=False` also the first decoder
-        layer's global KV for every row (CED step 2). Returns (streams, pre) entering it."""
-        streams, pre = self.embed(ids)
-        for layer, cache in zip(self.layers[:self.decoder_start], ctx.caches):
-            streams, pre = layer(streams, pre, ctx, cache)
-        d = self.decoder_start
-        if not full and d < len(self.layers) and self.layers[d].role.mode == "full":
-            u = self.layers[d].attention_input(streams, pre)
-            self.layers[d].self_attn.compress(u, ctx, ctx.caches[d])
-            ctx.precompressed.add(d)
+    def encoder_stack(self, streams, pre, state: ForwardState, cache: list):
+        """The causal encoder's layers over every row of the call -> (streams, pre) entering
+        the decoder."""
+        for layer, c in zip(self.layers[:self.decoder_start], cache):
+            streams, pre = layer(streams, pre, state, c)
         return streams, pre
 
-    def decode(self, streams, pre, ctx: ForwardContext, halo: Optional[list]):
-        """Decoder layers; `halo[k]` = (rows in, rows out) of decoder layer k, None = all."""
-        for k, (layer, cache) in enumerate(zip(self.layers[self.decoder_start:],
-                                               ctx.caches[self.decoder_start:])):
+    def decoder_stack(self, streams, pre, state: ForwardState, cache: list,
+                      halo: Optional[list] = None):
+        """Decoder layers, then the final collapse and norm. `halo[k]` = (rows in, rows out)
+        of decoder layer k; None = every row."""
+        layers = self.layers[self.decoder_start:]
+        for k, (layer, c) in enumerate(zip(layers, cache[self.decoder_start:])):
             n_in, n_out = (streams.shape[1],) * 2 if halo is None else halo[k]
-            streams, pre = layer(streams[:, -n_in:], pre[:, -n_in:], ctx, cache, n_out)
+            streams, pre = layer(streams[:, -n_in:], pre[:, -n_in:], state, c, n_out)
         return self.norm(collapse(streams, pre))
 
-    def halo(self, rows: int, mode: str, rollback: int = 0) -> Optional[list]:
-        """Rows each decoder layer reads and computes: exact CED (`layer_roles.ced_halo`,
-        extended for a trim of `rollback` tokens), the bounded replay of cache.md §5, or
-        None (every row) for a full prefill."""
-        if mode == "full":
-            return None
-        if mode == "ced_replay":
-            span = min(rows, self.cfg.sliding_window)
-            return [(span, span)] * (len(self.layers) - self.decoder_start)
-        return ced_halo(self.cfg, rows, rollback)
 
+@dataclass
+class ModelOutput:
+    """`Model.forward`'s result: logits [B, S or 1, vocab] float32, and the taps: layer ->
+    [B, rows, D] bf16, the mean over the 4 copies of the streams entering that layer for the
+    last `rows` positions of the call (every row a layer computed; fewer in a CED decoder)."""
 
-PREFILL_MODES = ("ced", "full", "ced_replay")
-
-
-class _Progress:
-    """After each chunk of a multi-chunk prefill: evaluates its result and the cache (so the
-    chunk's graph is freed and memory stays bounded, as in mlx-lm), then reports the running
-    token count when asked to. A single chunk stays lazy (decode steps pipeline)."""
-
-    def __init__(self, callback, total: int, cache: list, chunks: int):
-        self.callback, self.total, self.done = callback, total, 0
-        self.cache, self.chunks = cache, chunks
-
-    def __call__(self, value, chunk: mx.array):
-        if self.chunks > 1 or self.callback is not None:
-            mx.eval(value, [c.state for c in self.cache] if self.chunks > 1 else [])
-        if self.callback is not None:
-            self.done += chunk.shape[1]
-            self.callback(self.done, self.total)
-        return value
+    logits: mx.array
+    taps: dict = field(default_factory=dict)
 
 
 class Model(nn.Module):
@@ -161,11 +157,11 @@ class Model(nn.Module):
         self.model = TextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compat_reference_index_k_bug = compat_reference_index_k_bug
-        self.prefill_mode = prefill_mode
+        self.prefill_mode = _usable_mode(cfg, prefill_mode, self.model.decoder_start)
         self.engram_hasher: Optional[EngramHasher] = None
         self.kernels = Kernels()  # Metal kernels when available; tests inject the simulator's
         ones = [s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 1]
-        self._compat_source = max(ones) if ones else None
+        self.compat_source = max(ones) if ones and compat_reference_index_k_bug else None
 
     @property
     def roles(self):
@@ -178,7 +174,8 @@ class Model(nn.Module):
                 for role in self.roles[:cfg.num_hidden_layers]]
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
-                 capture: Optional[dict] = None) -> mx.array:
+                 capture: Optional[dict] = None,
+                 input_embeddings: Optional[mx.array] = None) -> mx.array:
         """Logits of `ids` [B, S] continuing `cache`.
 
         Args:
@@ -186,9 +183,34 @@ class Model(nn.Module):
                 decoder runs only where the prefill mode needs it (exact CED by default).
                 Logits of every position always run every layer over every row.
             capture: a dict that receives intermediates named like the reference goldens
-                (`layers.L.out`, `layers.L.indexer.score`, `layers.L.indexer.topk`).
+                (`layers.L.out`, `layers.L.pre_out`, `layers.L.engram_out`,
+                `layers.L.indexer.score`, `layers.L.indexer.topk`).
+            input_embeddings: [B, S, hidden] to use instead of the token embeddings (where
+                images merge); `ids` still give the positions and the Engram n-grams.
         """
-        return self.prefill(ids, cache, step_size=None, last_only=last_only, capture=capture)
+        return self.forward(ids, cache, last_only=last_only, capture=capture,
+                            input_embeddings=input_embeddings).logits
+
+    def forward(self, ids, cache: Optional[list] = None, *, last_only: bool = False,
+                step_size: Optional[int] = None, input_embeddings: Optional[mx.array] = None,
+                taps: tuple = (), teacher: Optional[BlockInputs] = None,
+                capture: Optional[dict] = None,
+                progress: Optional[Callable[[int, int], None]] = None) -> ModelOutput:
+        """One call over `ids` [B, S] continuing `cache`, in chunks of `step_size` rows.
+
+        Atomic: the cache advances only when the whole call succeeds; any exception (a
+        progress callback that raises, Ctrl-C) leaves it exactly as it was.
+
+        Args:
+            taps: layer ids whose entering streams are returned (`ModelOutput.taps`).
+            teacher: `BlockInputs` replacing given blocks' inputs, selections and candidate
+                pools (block-isolated parity checks); runs every row of every layer.
+            progress: called as (tokens done, total) after each evaluated chunk.
+        Others as in `__call__`.
+        """
+        return run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
+                           embeddings=input_embeddings, taps=tuple(taps), teacher=teacher,
+                           capture=capture, progress=progress)
 
     def prefill(self, ids, cache: Optional[list] = None, step_size: Optional[int] = None,
                 last_only: bool = True, capture: Optional[dict] = None,
@@ -197,100 +219,23 @@ class Model(nn.Module):
         runs once at the end); returns the last position's logits [B, 1, vocab] (or every
         position's with `last_only=False`, which runs every chunk fully). `progress(done,
         total)` is called after each evaluated chunk."""
-        ids = ids if isinstance(ids, mx.array) else mx.array(ids)
-        ids = (ids[None] if ids.ndim == 1 else ids).astype(mx.int32)
-        cache = self.make_cache() if cache is None else cache
-        end = cache[0].offset + ids.shape[1]
-        if end > self.cfg.max_position_embeddings:
-            raise ValueError(f"positions up to {end - 1} exceed max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
-        step = step_size or max(ids.shape[1], 1)
-        chunks = [ids[:, i:i + step] for i in range(0, ids.shape[1], step)]
-        mode = self.prefill_mode if last_only else "full"
-        if mode != "full" and any(e >= self.model.decoder_start for e in self.cfg.engram_layer_ids):
-            mode = "full"
-        report = _Progress(progress, ids.shape[1], cache, len(chunks))
-        if mode == "full":
-            outs = [report(self._full(chunk, cache, last_only, capture), chunk)
-                    for chunk in chunks]
-            return outs[-1] if last_only else mx.concatenate(outs, axis=1)
-        return self._ced(chunks, cache, mode, capture, report)
+        return self.forward(ids, cache, last_only=last_only, step_size=step_size,
+                            capture=capture, progress=progress).logits
 
-    def _context(self, cache, start, end, capture) -> ForwardContext:
-        return ForwardContext(start=start, end=end, caches=cache,
-                              compat_index_k_bug=self.compat_reference_index_k_bug,
-                              compat_index_k_source=self._compat_source, capture=capture,
-                              kernels=self.kernels)
-
-    def _full(self, ids, cache, last_only, capture) -> mx.array:
-        start = cache[0].offset
-        ctx = self._context(cache, start, start + ids.shape[1], capture)
-        ctx.engram_rows = self._engram_rows(ids, cache)
-        streams, pre = self.model.encode(ids, ctx, full=True)
-        hidden = self.model.decode(streams, pre, ctx, halo=None)
-        self._advance(cache, ctx.end)
-        return self._logits(hidden, last_only)
-
-    def _ced(self, chunks, cache, mode, capture, report) -> mx.array:
-        """Encoder (and the first decoder layer's global KV) chunk by chunk, then the decoder
-        over the halo rows of the whole call (cache.md §4; §5 for `ced_replay`)."""
-        start = cache[0].offset
-        end = start + sum(c.shape[1] for c in chunks)
-        halo = self.model.halo(end - start, mode, self.ced_rollback)
-        keep = halo[0][0] if halo else 1
-        tail = None  # (streams, pre) of the last `keep` rows so far: memory bounded by the halo
-        for chunk in chunks:
-            chunk_start = cache[0].offset
-            ctx = self._context(cache, chunk_start, chunk_start + chunk.shape[1], capture)
-            ctx.engram_rows = self._engram_rows(chunk, cache)
-            streams, pre = self.model.encode(chunk, ctx, full=False)
-            streams, pre = streams[:, -keep:], pre[:, -keep:]
-            if tail is not None:
-                streams = mx.concatenate([tail[0], streams], axis=1)[:, -keep:]
-                pre = mx.concatenate([tail[1], pre], axis=1)[:, -keep:]
-            tail = report((streams, pre), chunk)
-            for c in cache[:self.model.decoder_start + 1]:
-                c.offset = ctx.end
-        streams, pre = tail
-        ctx = self._context(cache, start, end, capture)
-        ctx.precompressed.add(self.model.decoder_start)
-        ctx.truncate_window = mode == "ced_replay" and end - start > self.cfg.sliding_window
-        hidden = self.model.decode(streams, pre, ctx, halo)
-        self._advance(cache, end)
-        return self._logits(hidden, True)
-
-    def _logits(self, hidden, last_only) -> mx.array:
+    def head(self, hidden: mx.array, last_only: bool) -> mx.array:
+        """fp32 logits of the normed hidden rows (all, or the last)."""
         if last_only:
             hidden = hidden[:, -1:]
         return hidden.astype(mx.float32) @ self.lm_head.weight.T
 
-    @staticmethod
-    def _advance(cache, end: int) -> None:
-        for c in cache:
-            c.offset = end
 
-    def _engram_rows(self, ids: mx.array, cache: list) -> Optional[mx.array]:
-        """Engram table rows of the chunk, hashed with the cache's compressed-id history."""
-        layers = self.cfg.engram_layer_ids
-        if not layers:
-            return None
-        if self.engram_hasher is None:
-            raise RuntimeError("this model has Engram layers but no token map was loaded; "
-                               "use mlx_v41.load_model(path)")
-        hasher = self.engram_hasher
-        batch = ids.shape[0]
-        seen = cache[layers[0]].engram_ids
-        if seen.shape[0] != batch:
-            seen = np.broadcast_to(seen[:1], (batch, seen.shape[1]))
-        history = np.full((batch, hasher.history_length), -1, np.int64)
-        tail = seen[:, -hasher.history_length:] if seen.shape[1] else seen
-        if tail.shape[1]:
-            history[:, -tail.shape[1]:] = tail
-        compressed = hasher.compress(np.array(ids))
-        rows, _ = hasher.hash_compressed(compressed, history)
-        # Only the recent ids are kept: a full history would be copied on every token.
-        ids_so_far = np.concatenate([seen[:, -ENGRAM_KEPT:], compressed.astype(np.int32)],
-                                    axis=1)[:, -ENGRAM_KEPT:]
-        for layer in layers:
-            cache[layer].engram_ids = ids_so_far
-        return mx.array(rows.astype(np.int32))
+def _usable_mode(cfg: TextConfig, mode: str, start: int) -> str:
+    """An encoder-only prefill needs every Engram layer in the encoder (the decoder's halo
+    rows would need the n-grams of earlier chunks); otherwise say so once and run `full`."""
+    late = [e for e in cfg.engram_layer_ids if e >= start]
+    if mode != "full" and late:
+        warnings.warn(f"prefill_mode {mode!r} needs every Engram layer below the decoder (layer "
+                      f"{start}); Engram layer {late[0]} is not, so prefills run 'full'",
+                      stacklevel=3)
+        return "full"
+    return mode

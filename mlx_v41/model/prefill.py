@@ -1,0 +1,169 @@
+"""How one call runs the backbone over its rows: every prefill strategy in one place.
+
+* `full`: every layer over every row, chunk by chunk (what the reference does).
+* `ced` (exact encoder-only prefill): the causal encoder chunk by chunk, the first decoder
+  layer's global KV for every row, then the decoder once over the halo rows its outputs depend
+  on (`schedule.ced_halo`); the last position's logits equal a full prefill's.
+* `ced_replay`: the tech report's bounded replay, the decoder over the last window only
+  (APPROXIMATE, opt-in).
+A call is atomic: the cache changes only if it completes (`cache.layer.transaction`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..cache.layer import commit, transaction
+from .engram import engram_rows
+from .schedule import FULL, ced_halo
+from .shared import ForwardState, shared_state
+
+PREFILL_MODES = ("ced", "full", "ced_replay")
+
+
+class Progress:
+    """After each chunk of a multi-chunk call: evaluates its result and the cache (so the
+    chunk's graph is freed and memory stays bounded, as in mlx-lm), then reports the running
+    token count when asked to. A single chunk stays lazy (decode steps pipeline)."""
+
+    def __init__(self, callback, total: int, cache: list, chunks: int):
+        self.callback, self.total, self.done = callback, total, 0
+        self.cache, self.chunks = cache, chunks
+
+    def __call__(self, value, rows: int):
+        if self.chunks > 1 or self.callback is not None:
+            mx.eval(value, [c.state for c in self.cache] if self.chunks > 1 else [])
+        if self.callback is not None:
+            self.done += rows
+            self.callback(self.done, self.total)
+        return value
+
+
+def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size, embeddings,
+                taps: tuple, teacher, capture, progress: Optional[Callable]):
+    """`Model.forward`: checks the inputs, picks the strategy, runs it atomically."""
+    from .model import ModelOutput
+
+    ids = _as_ids(ids)
+    cache = model.make_cache() if cache is None else cache
+    _check_inputs(model, ids, cache, embeddings, step_size, teacher)
+    start = cache[0].offset
+    length = ids.shape[1]
+    step = step_size or length
+    chunks = [(ids[:, i:i + step], None if embeddings is None else embeddings[:, i:i + step])
+              for i in range(0, length, step)]
+    mode = "full" if not last_only or teacher is not None else model.prefill_mode
+    run = Run(model, cache, start, taps, teacher, capture,
+              Progress(progress, length, cache, len(chunks)))
+    with transaction(cache):
+        logits = run.full(chunks, last_only) if mode == "full" else run.encoder_only(chunks, mode)
+        commit(cache, start + length)
+    return ModelOutput(logits, run.taps)
+
+
+class Run:
+    """One call's strategies over its chunks, from position `start` of `cache`."""
+
+    def __init__(self, model, cache: list, start: int, taps, teacher, capture, report):
+        self.model, self.text, self.cache, self.start = model, model.model, cache, start
+        self.tap_layers, self.teacher, self.capture, self.report = taps, teacher, capture, report
+        self.taps = {}
+
+    def state(self, start: int, end: int) -> ForwardState:
+        return ForwardState(start=start, end=end, shared=shared_state(self.cache, self.text.roles),
+                            compat_index_k_source=self.model.compat_source,
+                            kernels=self.model.kernels, teacher=self.teacher,
+                            tap_layers=self.tap_layers, taps=self.taps, capture=self.capture)
+
+    def encode(self, ids, embeddings, start: int):
+        """The encoder stack over one chunk at `start` -> (state, streams, pre)."""
+        state = self.state(start, start + ids.shape[1])
+        state.engram_rows = engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids,
+                                        ids, self.cache)
+        x = self.text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
+        streams, pre = self.text.residual_input(x)
+        return (state, *self.text.encoder_stack(streams, pre, state, self.cache))
+
+    def full(self, chunks: list, last_only: bool) -> mx.array:
+        outs, position = [], self.start
+        for ids, embeddings in chunks:
+            state, streams, pre = self.encode(ids, embeddings, position)
+            hidden = self.text.decoder_stack(streams, pre, state, self.cache)
+            outs.append(self.report(self.model.head(hidden, last_only), ids.shape[1]))
+            position = state.end
+        return outs[-1] if last_only else mx.concatenate(outs, axis=1)
+
+    def encoder_only(self, chunks: list, mode: str) -> mx.array:
+        """Encoder (and the first decoder layer's global KV) chunk by chunk, then the decoder
+        over the halo rows of the whole call; the last position's logits."""
+        text, position = self.text, self.start
+        end = self.start + sum(ids.shape[1] for ids, _ in chunks)
+        halo = halo_spans(self.model, end - self.start, mode)
+        keep = halo[0][0] if halo else 1
+        tail = None  # (streams, pre) of the last `keep` rows so far: memory bounded by the halo
+        for ids, embeddings in chunks:
+            state, streams, pre = self.encode(ids, embeddings, position)
+            self.precompress(state, streams, pre)
+            streams, pre = streams[:, -keep:], pre[:, -keep:]
+            if tail is not None:
+                streams = mx.concatenate([tail[0], streams], axis=1)[:, -keep:]
+                pre = mx.concatenate([tail[1], pre], axis=1)[:, -keep:]
+            tail = self.report((streams, pre), ids.shape[1])
+            position = state.end
+        state = self.state(self.start, end)
+        state.precompressed.add(text.decoder_start)
+        state.truncate_window = mode == "ced_replay" and end - self.start > text.cfg.sliding_window
+        return self.model.head(text.decoder_stack(*tail, state, self.cache, halo), True)
+
+    def precompress(self, state: ForwardState, streams, pre) -> None:
+        """CED step 2: the first decoder layer's compressed KV for every row of the chunk (its
+        compressor reads the encoder's output); the halo pass then skips it."""
+        first = self.text.decoder_start
+        if first < len(self.text.layers) and self.text.layers[first].role.mode == FULL:
+            layer = self.text.layers[first]
+            layer.self_attn.compress(layer.attention_input(streams, pre), state)
+
+
+def halo_spans(model, rows: int, mode: str) -> Optional[list]:
+    """Rows each decoder layer reads and computes: exact CED (`ced_halo`, extended for a trim
+    of `ced_rollback` tokens), the bounded replay (the last window), or None (every row)."""
+    if mode == "full":
+        return None
+    cfg = model.cfg
+    if mode == "ced_replay":
+        span = min(rows, cfg.sliding_window)
+        return [(span, span)] * (cfg.num_hidden_layers - model.model.decoder_start)
+    return ced_halo(cfg, rows, model.ced_rollback)
+
+
+def _as_ids(ids) -> mx.array:
+    ids = ids if isinstance(ids, mx.array) else mx.array(ids)
+    ids = ids[None] if ids.ndim == 1 else ids
+    if ids.ndim != 2:
+        raise ValueError(f"ids must be [batch, length] token ids, got shape {list(ids.shape)}")
+    return ids.astype(mx.int32)
+
+
+def _check_inputs(model, ids, cache, embeddings, step_size, teacher) -> None:
+    """A clear ValueError for input a forward cannot run (nothing has changed yet)."""
+    batch, length = ids.shape
+    if length == 0:
+        raise ValueError(f"ids are empty (shape {list(ids.shape)}): a forward needs at least "
+                         "one token")
+    held = {c.batch for c in cache} - {None}
+    if held and held != {batch}:
+        raise ValueError(f"ids have batch {batch} but the cache holds batch {held.pop()}")
+    end = cache[0].offset + length
+    if end > model.cfg.max_position_embeddings:
+        raise ValueError(f"positions up to {end - 1} exceed max_position_embeddings "
+                         f"{model.cfg.max_position_embeddings}")
+    if step_size is not None and not (isinstance(step_size, int) and step_size > 0):
+        raise ValueError(f"step_size must be a positive int, got {step_size!r}")
+    want = [batch, length, model.cfg.hidden_size]
+    if embeddings is not None and list(embeddings.shape) != want:
+        raise ValueError(f"input_embeddings must have shape {want} (ids' batch and length, "
+                         f"hidden_size), got {list(embeddings.shape)}")
+    if teacher is not None and step_size is not None and step_size < length:
+        raise ValueError("a teacher-forced forward runs in one chunk (step_size=None)")

@@ -88,8 +88,9 @@ def _check_output(out: Path) -> None:
 
 
 def _token_map(source: Source) -> Optional[np.ndarray]:
-    """The Engram compressed token map (engram.md §2), built from tokenizer.json now so that
-    loading needs no tokenizer work; checked against the config before anything is written."""
+    """The Engram compressed token map (official inference/engram.py L17–61), built from
+    tokenizer.json now so that loading needs no tokenizer work; checked against the config
+    before anything is written."""
     cfg = source.args.text_config
     if not cfg.engram_layer_ids:
         return None

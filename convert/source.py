@@ -1,6 +1,6 @@
 """The converter's input: a published checkpoint folder (local, or fetched from the Hugging Face
 Hub), its shard headers checked against the index and the loader's tables, and readers that
-stream tensors out of the shards without keeping them mapped (spec checkpoint.md §1–4).
+stream tensors out of the shards without keeping them mapped.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// FP4 cache-row packing (cache.md §3.1): x [rows, width] (any float dtype) -> out [rows, width/2 +
+// FP4 cache-row packing: x [rows, width] (any float dtype) -> out [rows, width/2 +
 // width/G] uint8. One thread per scale group of G channels: G/2 code bytes, then its scale byte.
 // Template: G = 16 with E4M3 = true (fp4_e4m3, main KV) or G = 32 with E4M3 = false (fp4_e8m0,
 // index keys). Inputs are finite by construction (NaN handling is not specified).

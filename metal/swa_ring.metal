@@ -2,7 +2,7 @@
 // (offset + i) % R; only the last min(S, R) rows land (an earlier row's slot is overwritten by a
 // later one). Two ring formats (template PACKED):
 //   false: ring [B, R, D] of T values, a kept row becomes its QDQ value E4M3(x / s) * s;
-//   true:  ring [B, R, D + D/32] uint8 rows of cache.md §3.1: D E4M3 codes, then D/32 E8M0 bytes.
+//   true:  ring [B, R, D + D/32] uint8 rows: D E4M3 codes, then D/32 E8M0 bytes.
 // One thread per (row, channel); D % 32 == 0, so a simdgroup covers exactly one 32-channel
 // act_fp8 group of one ring row and every branch below is uniform per simdgroup.
 uint tid = thread_position_in_grid.x;

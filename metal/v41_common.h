@@ -1,5 +1,5 @@
-// Shared helpers for the mlx_v41 kernels: the E4M3FN / E2M1 / E8M0 codecs of spec numerics.md
-// §2-3 and the packed cache rows of cache.md §3.1. Every rounding decision uses integer or exact
+// Shared helpers for the mlx_v41 kernels: the E4M3FN / E2M1 / E8M0 codecs and the packed cache
+// rows of mlx_v41.model.quant. Every rounding decision uses integer or exact
 // fp32 arithmetic, so results are bit-identical to mlx_v41.quant whatever the GPU's division
 // accuracy. Plain MSL; helpers take attribute values as arguments.
 #include <metal_stdlib>
@@ -60,7 +60,7 @@ inline uint v41_float_to_e4m3(float x) {
 }
 
 // E2M1 code of clamp(x / s, -6, 6) for a scale s > 0: nearest grid value, ties to the even code,
-// sign kept (numerics.md §2.3). The products t * s are exact (t has <= 3 significant bits, s is
+// sign kept (-0 is code 8). The products t * s are exact (t has <= 3 significant bits, s is
 // an E4M3 value or a power of two), and `x >= t*s` decides exactly as `RN(x / s) >= t` for every
 // such scale (checked over all 126 E4M3 scales), so no division is needed.
 inline uint v41_float_to_e2m1(float x, float s) {
@@ -71,7 +71,7 @@ inline uint v41_float_to_e2m1(float x, float s) {
   return m | ((as_type<uint>(x) >> 28) & 8u);
 }
 
-// E4M3 code of amax / 6 (fp32 division, then RNE; numerics.md §3.3) without a division.
+// E4M3 code of amax / 6 (fp32 division, then RNE) without a division.
 // fp32(1/6) > 1/6, so the guess E4M3(amax * fp32(1/6)) is never below the answer and, being within
 // 2^-22 of it, at most one code above; the decision point below the guess, 6 x (midpoint of two
 // E4M3 values), is an exact fp32 product, so comparing amax with it settles the code exactly.
@@ -84,7 +84,7 @@ inline uint v41_e4m3_scale_code(float amax) {
   return c;
 }
 
-// Decode channels [ch0, ch0 + N) of a packed fp4_e4m3 row of `width` channels (cache.md §3.1:
+// Decode channels [ch0, ch0 + N) of a packed fp4_e4m3 row of `width` channels:
 // width/2 code bytes, element 2b in the low nibble, then one E4M3 scale byte per 16 channels).
 template <int N, typename BytePtr>
 inline void v41_decode_fp4_e4m3(BytePtr row, int width, int ch0, thread float* out) {

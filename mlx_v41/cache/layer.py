@@ -1,7 +1,7 @@
-"""Per-layer inference state in packed form (spec cache.md §1–3).
+"""Per-layer inference state in packed form.
 
 * `WindowRing`: every layer's sliding-window KV, a fixed-capacity ring (slot = position mod R)
-  of 528-byte FP8 rows (512 E4M3 values + 16 E8M0 scales, cache.md §3.1); R = 2 x window so a
+  of 528-byte FP8 rows (512 E4M3 values + 16 E8M0 scales); R = 2 x window so a
   multi-row call can be rolled back by resetting the length.
 * `CompressedKV`: an owner layer's global cache, one packed FP4 main-KV row (288 B: E2M1 codes,
   even element in the low nibble, then E4M3 scales per 16) and one index-key row (68 B: codes,

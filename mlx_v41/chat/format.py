@@ -1,7 +1,7 @@
 """Chat format of DeepSeek V4.1: special tokens, prompt rendering and completion parsing.
 
-No Jinja template ships: `encode_messages` restates the official `encoding/encoding.py` rules
-(spec chat_format.md); `parse_completion` splits a generated turn into reasoning, answer, calls.
+No Jinja template ships: `encode_messages` restates the official `encoding/encoding.py` rules;
+`parse_completion` splits a generated turn into reasoning, answer, calls.
 """
 
 import json
@@ -25,8 +25,8 @@ IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 TASK_TOKENS = {name: f"<｜{name}｜>"
                for name in ("action", "query", "authority", "domain", "title", "read_url")}
 
-# Ids from spec §2; only 0, 1, 2, 128799, 128803, 128804, 128822, 129264 are confirmed by the
-# config, the rest must be checked against tokenizer.json at load.
+# Only 0, 1, 2, 128799, 128803, 128804, 128822, 129264 are confirmed by the config; the rest come
+# from a transcription of the tokenizer and must be checked against tokenizer.json at load.
 SPECIAL_TOKEN_IDS = {
     BOS: 0, EOS: 1, PAD: 2, SYSTEM: 128799, USER: 128803, ASSISTANT: 128804,
     THINK_START: 128821, THINK_END: 128822, DSML: 128825, LATEST_REMINDER: 128828,
@@ -194,7 +194,7 @@ def _normalize(message, where, images):
 
 
 def _merge_user_turns(messages):
-    """Fold tool results and consecutive user messages into one user turn (spec §3.1.2)."""
+    """Fold tool results and consecutive user messages into one user turn."""
     merged = []
     for message in messages:
         previous = merged[-1] if merged else {}
@@ -343,7 +343,7 @@ def _render_assistant(r, index):
 
 
 def _render_suffix(r, index):
-    """Generation header or task token after a turn the model answers (spec §3.2.4-5)."""
+    """Generation header or task token after a turn the model answers."""
     following = r.turns[index + 1]["role"] if index + 1 < len(r.turns) else None
     if following not in (None, "assistant", "latest_reminder"):
         return ""
@@ -369,7 +369,7 @@ def encode_messages(messages, thinking_mode="chat", reasoning_effort=None, conte
 
     Args:
         messages: dicts with `role` in system/user/assistant/tool/latest_reminder and the fields
-            of the spec: content (str or blocks: text, image/image_url, tool_result),
+            the official encoder reads: content (str or blocks: text, image/image_url, tool_result),
             reasoning_content, tools, response_format, tool_calls, tool_call_id, task, wo_eos.
         thinking_mode: "chat" (header ends `</think>`) or "thinking" (header ends `<think>`).
         reasoning_effort: None (= "high"), "low"/"high"/"max" or an int 1-100; rendered only in

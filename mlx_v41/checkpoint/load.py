@@ -71,14 +71,14 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     Args:
         path: folder with config.json, model.safetensors.index.json and the shards (published
             layout), or a converted folder (it holds mlx_v41_convert.json).
-        compat_reference_index_k_bug: reproduce the reference's decode-time index-key defect
-            (spec deviations.md D1); only for parity tests against the reference.
+        compat_reference_index_k_bug: reproduce the reference's stale index-key handle at decode
+            (README.md, "Deviations from the reference"); only for parity tests against it.
         prefill_mode: "ced" (default: exact encoder-only prefill with the decoder halo),
             "full" (every layer over every row, like the reference) or "ced_replay" (the tech
             report's bounded replay: APPROXIMATE, opt-in).
         ced_rollback: tokens `trim_cache` can undo right after a CED prefill; the decoder
             halo grows by this many rows per layer. Default (None): window + 1, the same as
-            after decoding or a full prefill; 0 gives the spec's minimal halo (trim of 1).
+            after decoding or a full prefill; 0 gives the minimal halo (trim of 1).
     Returns:
         The `Model`, weights loaded and evaluated.
     """

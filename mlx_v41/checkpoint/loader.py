@@ -1,4 +1,4 @@
-"""Strict loading of the published checkpoint layout into `Model` (spec checkpoint.md §3–4).
+"""Strict loading of the published checkpoint layout into `Model`.
 
 One declarative rename table maps published names to module paths, with the storage kind of
 each tensor; a named drop list gives the reason for every tensor not used. Every published
@@ -75,7 +75,7 @@ DROPS = [
     (r"(vision|aligner)\..*", "vision tower: not part of the text model yet", "vision"),
     (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet", "vision"),
 ]
-E8M0_NAN = 255  # checkpoint.md §4: never valid in a scale
+E8M0_NAN = 255  # E8M0 NaN: never valid in a scale, so a load error
 PAIRED = {"fp8", "fp8_grouped", "fp4_expert", "fp8_rows"}  # stored as .weight + .scale
 EXPECTED_DTYPES = {
     "plain": {"BF16", "F32"}, "fp8": {"F8_E4M3"}, "fp8_grouped": {"F8_E4M3"},

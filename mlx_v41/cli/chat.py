@@ -7,7 +7,7 @@ Each turn renders the whole conversation with the V4.1 chat format and runs only
 cache does not hold yet. In thinking mode earlier turns lose their reasoning (and the header
 token changes), so the new prompt need not extend the cached tokens: the session then rolls the
 cache back with `trim_cache`, or restores the snapshot taken at the end of the last prompt, or
-prefills from scratch, whichever keeps the most (spec chat_format.md §3.5).
+prefills from scratch, whichever keeps the most.
 """
 
 from __future__ import annotations

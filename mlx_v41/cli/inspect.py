@@ -4,7 +4,7 @@
     mlx_v41.inspect --model PATH --context 1M --memory 512GB
 
 Bytes per token come from the config (head and index widths, ratios, owner layers) and the
-packed record formats of cache.md §3, not from tabulated constants.
+packed record formats of mlx_v41.cache, not from tabulated constants.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FP4 packing of compressed cache rows: main-KV rows (fp4_e4m3, 16 per E4M3 scale) and index-key
-rows (fp4_e8m0, 32 per E8M0 scale) into the byte layouts of cache.md §3.1 (quant.pack_fp4_*).
+rows (fp4_e8m0, 32 per E8M0 scale) into the byte layouts of quant.pack_fp4_*.
 
 The Metal kernel (metal/fp4_pack.metal) runs one thread per scale group and replaces the ops'
 52 (index) / 81 (main KV) un-fused MLX launches with one; its bytes equal the ops' bytes.

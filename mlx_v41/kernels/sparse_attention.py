@@ -1,6 +1,6 @@
 """Sparse attention with sinks over a layer's sliding window and its selected compressed rows
-(CSA2, model.md §4-5; numerics.md §5.2: fp32 scores and softmax, probabilities rounded to bf16
-before P.V, fp32 denominator with the per-head sink, running-max floor -1e30, bf16 output).
+(CSA2, the reference's `sparse_attn` kernel: fp32 scores and softmax, probabilities rounded to
+bf16 before P.V, fp32 denominator with the per-head sink, running-max floor -1e30, bf16 output).
 
 `sparse_attention_ops` gathers the window rows, gathers and dequantises the packed FP4 rows, and
 runs the softmax on the result. The Metal kernel (metal/sparse_attention.metal) does one pass with

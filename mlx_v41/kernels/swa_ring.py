@@ -1,7 +1,7 @@
-"""Sliding-window (SWA) ring update: FP8-round a chunk's window KV rows (act_fp8, numerics.md Q2)
-and write them at slots `position mod R` of the layer's ring (cache.md §3.2). The ring holds
-either the rounded values ([B, R, D] float) or the packed 528-style rows of cache.md §3.1
-([B, R, D + D/32] uint8: E4M3 codes, then E8M0 scale bytes).
+"""Sliding-window (SWA) ring update: FP8-round a chunk's window KV rows (act_fp8, official
+inference/model.py L706–707) and write them at slots `position mod R` of the layer's ring. The
+ring holds either the rounded values ([B, R, D] float) or packed rows ([B, R, D + D/32] uint8:
+E4M3 codes, then E8M0 scale bytes; 528 B for D = 512).
 
 The Metal kernel (metal/swa_ring.metal) fuses the rounding (or packing) and the slot writes into
 one launch. `mx.fast.metal_kernel` outputs are fresh buffers, so it re-emits the whole ring; the

@@ -1,6 +1,7 @@
 """CSA2 attention of one layer: low-rank query, FP8 sliding-window KV, and for ratio > 0 the
 global branch (compressor + indexer for Full layers, indexer only for Reindex, the owner's
-selection for Reuse), sparse attention with sinks, inverse RoPE, grouped output (model.md §4–5).
+selection for Reuse), sparse attention with sinks, inverse RoPE, grouped output
+(official inference/model.py L700–789).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Compressor of a kv-source layer: one RoPE-free latent per completed group of `ratio` tokens
-(spec model.md §5.3). Ratio 2 pools each channel with an fp32 softmax gate over the group's two
-tokens; the first token of an open group waits in the cache until the group completes.
+(official inference/model.py L429–485). Ratio 2 pools each channel with an fp32 softmax gate
+over the group's two tokens; the first token of an open group waits in the cache until the group
+completes.
 """
 
 from __future__ import annotations

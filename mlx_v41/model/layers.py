@@ -1,7 +1,8 @@
 """Basic layers with the reference's rounding boundaries: RMSNorm and quantized linears.
 
 `QuantLinear` keeps a checkpoint's FP8 (32x32 E8M0 blocks) or FP4 weight packed in MLX's
-mxfp8/mxfp4 layout and, like the reference, FP8-rounds its input first (spec numerics.md §1, Q1).
+mxfp8/mxfp4 layout and, like the reference, FP8-rounds its input first (official
+inference/model.py L181–207).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Single-Pass mHC: 4 residual copies mixed by Sinkhorn-normalised matrices (spec model.md §2).
+"""Single-Pass mHC: 4 residual copies mixed by Sinkhorn-normalised matrices
+(official inference/model.py L948–994).
 
 `HyperConnection` holds one side's (attention or FFN) parameters, reference names
 `hc_{attn,ffn}_{fn,base,scale}`, and returns the per-token `pre`, `post` and `comb` mixes.

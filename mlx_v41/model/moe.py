@@ -1,5 +1,5 @@
 """Mixture of experts: sqrt-softplus router with selection bias, top-k routed FP4 experts with
-clamped SwiGLU, and one shared FP8 expert (spec model.md §6).
+clamped SwiGLU, and one shared FP8 expert (official inference/model.py L792–904).
 
 Routed weights multiply the SwiGLU activation before `w2` (reference order, which also decides
 what `w2`'s FP8 input rounding sees).

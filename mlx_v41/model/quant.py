@@ -1,7 +1,7 @@
 """FP8 E4M3 / FP4 E2M1 / E8M0 element formats and the reference's fake-quant functions.
 
 Bit-exact MLX ops for `act_quant` (act_fp8), `fp4_act_quant` (fp4_e8m0, fp4_e4m3), the packed
-cache rows of cache.md §3.1, checkpoint weight dequantisation (numerics.md §3.4) and the
+cache rows (byte layouts below), checkpoint weight dequantisation and the
 conversion of checkpoint FP8/FP4 weights to MLX's mxfp8/mxfp4 quantized layout.
 Every function works on any leading shape; groups run along the last axis.
 """
@@ -24,7 +24,7 @@ FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9  # scale never below the smallest E4M3 subno
 
 FP4_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 decode by code
-# E2M1 magnitude thresholds of numerics.md §2.3 as (threshold, is the tie rounded up): one
+# E2M1 magnitude thresholds as (threshold, is the tie rounded up): one
 # code step each; a tie goes to the even code, so it rounds up only when the upper code is even.
 _E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
                (2.5, False), (3.5, True), (5.0, False))
@@ -78,7 +78,7 @@ def _round_e2m1(v: mx.array) -> mx.array:
 
     Below 1 the grid is {0, 0.5, 1}: RNE of 2v. From 1 up it is a float with one mantissa
     bit, and ties to the even code are ties to the even mantissa: RNE of the fp32 mantissa to
-    one bit (1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, as numerics.md §2.3).
+    one bit (1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
     """
     a = mx.abs(v)
     bits = _bits(a)
@@ -106,7 +106,7 @@ def e2m1_to_float(codes: mx.array) -> mx.array:
 def float_to_e2m1(v: mx.array) -> mx.array:
     """Encode fp32 values already clamped to [-6, 6] to E2M1 codes 0..15.
 
-    Nearest grid value, ties to the even code (numerics.md §2.3); the sign bit is kept when
+    Nearest grid value, ties to the even code; the sign bit is kept when
     the magnitude rounds to zero.
     """
     v = v.astype(mx.float32)
@@ -164,7 +164,7 @@ def _exponent_byte(scale: mx.array) -> mx.array:
 
 
 def act_fp8_quantize(x: mx.array):
-    """FP8 activation quantisation, block 32, E8M0 scale (numerics.md §3.1).
+    """FP8 activation quantisation, block 32, E8M0 scale (the reference's `act_quant`).
 
     Args:
         x: [..., K] float, K a multiple of 32.
@@ -202,7 +202,7 @@ def _fp4_e8m0_parts(x: mx.array):
 
 
 def fp4_e8m0_qdq(x: mx.array) -> mx.array:
-    """FP4 E2M1 with power-of-two scale per 32 (numerics.md §3.2, index q/k); returns x.dtype."""
+    """FP4 E2M1 with power-of-two scale per 32 (indexer q and k); returns x.dtype."""
     scaled, scale = _fp4_e8m0_parts(x)
     return (_round_e2m1(scaled) * scale).reshape(x.shape).astype(x.dtype)
 
@@ -217,13 +217,13 @@ def _fp4_e4m3_parts(x: mx.array):
 
 
 def fp4_e4m3_qdq(x: mx.array) -> mx.array:
-    """FP4 E2M1 with an E4M3 scale per 16 (numerics.md §3.3, compressed KV); returns x.dtype."""
+    """FP4 E2M1 with an E4M3 scale per 16 (compressed main KV); returns x.dtype."""
     scaled, scale = _fp4_e4m3_parts(x)
     return (_round_e2m1(scaled) * scale).reshape(x.shape).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- packed cache rows
-# Row layouts (cache.md §3.1), little-endian bytes, row-contiguous:
+# Row layouts, little-endian bytes, row-contiguous:
 #   fp4_e4m3 (main KV, 512 -> 288 B): K/2 code bytes (element 2b low nibble, 2b+1 high),
 #       then K/16 E4M3FN scale bytes, byte K/2 + g scaling elements 16g .. 16g+15.
 #   fp4_e8m0 (index key, 128 -> 68 B): K/2 code bytes, then K/32 E8M0 bytes (2^(b-127)).
@@ -313,7 +313,7 @@ def _check_block_scale(weight: mx.array, scale: mx.array) -> None:
 
 
 def dequant_fp8_blocks(weight_u8: mx.array, scale_u8: mx.array, dtype=mx.bfloat16) -> mx.array:
-    """Dequantise an FP8 weight with 32x32 E8M0 block scales (numerics.md §3.4).
+    """Dequantise an FP8 weight with 32x32 E8M0 block scales.
 
     Args:
         weight_u8: [N, K] uint8 E4M3FN bytes.

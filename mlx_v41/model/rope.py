@@ -1,6 +1,7 @@
 """Rotary position embedding on the trailing `qk_rope_head_dim` channels, with YaRN.
 
-Interleaved pairs (GPT-J style, MLX `traditional=True`) rotated in fp32 (spec model.md §3.2–3.3).
+Interleaved pairs (GPT-J style, MLX `traditional=True`) rotated in fp32
+(official inference/model.py L368–406, L680–698).
 Angles are computed from the positions of each call, so no table grows with the context length.
 """
 

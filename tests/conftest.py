@@ -9,6 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from mlx_v41.kernels import Kernels
+from mlx_v41.model.rope import shared_rope
+
 DATA = Path(__file__).parent / "data"
 GOLDENS = DATA / "goldens"
 
@@ -37,6 +40,31 @@ def with_context(folder: Path, positions: int) -> Path:
 def ckpt(tmp_path) -> Path:
     """A writable copy of the tiny golden checkpoint."""
     return writable_copy(golden_checkpoint("tiny"), tmp_path / "hf")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    """MLX's CPU backend for a whole test module (`pytestmark = pytest.mark.usefixtures("cpu")`).
+
+    For exact equalities between different computations of one value (chunked == one call, batch
+    of 2 == two of 1, our bits == the goldens' CPU reference where no ulp event has happened):
+    they rest on the CPU kernels summing identically across shapes, which Metal's do not promise.
+    The shared RoPE tables are rebuilt so none computed on the GPU by an earlier module is used.
+    Models in such a module run the reference ops (`reference_ops`).
+    """
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    shared_rope.cache_clear()
+    yield
+    shared_rope.cache_clear()
+    mx.set_default_device(previous)
+
+
+def reference_ops(model):
+    """`model` on the reference ops, for a CPU-pinned test: a Metal kernel only runs on the GPU
+    (and equals its ops to a tolerance, not bit for bit). Without Metal the ops run anyway."""
+    model.kernels = Kernels(use=False)
+    return model
 
 
 class Golden:

@@ -1,9 +1,12 @@
-"""Indexer top-k and candidate pool against the reference's own scores (goldens' prefill).
+"""The indexer's selection functions the attention layers call (`visible_rows`, `top_rows`,
+`candidate_blocks`, `expand_blocks`) against hand-built cases and the reference's own records.
 
-The reference records the scores it handed to top-k (bf16, -inf where invisible or outside the
-pool) and what it selected. Feeding those exact scores to our selection functions must reproduce
-its choice, except at rows the manifest lists as k-th-place ties, where torch's order is
-implementation-defined and ours keeps the lower index (deviations.md D2).
+The goldens hold the scores the reference handed to top-k (bf16, -inf where invisible or outside
+the pool), what it selected and the candidate pool it built. Our functions fed those exact
+scores must reproduce its choices, except at rows the manifest lists as k-th-place ties, where
+torch's order is implementation-defined and ours keeps the lower index (deviations.md D2).
+Integer and boolean results, exact on any backend; the fused head sum is compared on the CPU
+backend (the `cpu` fixture), where its fp32 sums are exact for the chosen inputs.
 """
 
 import json
@@ -12,7 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_v41.model.indexer import NEG_INF, candidate_pool, top_rows
+from mlx_v41.model.indexer import (NEG_INF, _weighted_relu_sum, candidate_blocks, expand_blocks,
+                                   top_rows, visible_rows)
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+# (golden, candidate source layer, Reindex layer with recorded scores or None)
+POOLS = [("tiny", 7, 9), ("schedule", 20, None)]
 
 
 def _tie_rows(golden, layer: int, kind: str = "index") -> set:
@@ -21,7 +30,44 @@ def _tie_rows(golden, layer: int, kind: str = "index") -> set:
     return set(calls.get(f"layers.{layer}.indexer", []))
 
 
-@pytest.mark.parametrize("name,layer,topk", [("tiny", 2, 16), ("tiny", 9, 16),
+def _finite(scores: mx.array) -> np.ndarray:
+    return np.isfinite(np.array(scores.astype(mx.float32)))
+
+
+def _pool(golden, source: int) -> np.ndarray:
+    """Our pool mask [N, T] from the reference's recorded candidate-source scores."""
+    cfg = json.loads((golden.hf / "config.json").read_text())["text_config"]
+    scores = golden.reference[f"prefill.layers.{source}.indexer.score"]
+    n, block = scores.shape[0], cfg["candidate_block_size"]
+    member = candidate_blocks(scores[None], mx.arange(n), cfg["compress_ratios"][source],
+                              cfg["candidate_topk_blocks"], block)
+    return np.array(expand_blocks(member, block, scores.shape[-1])[0])
+
+
+# ---------------------------------------------------------------- visible_rows
+
+def test_visible_rows_by_hand():
+    """Row t (the group of positions [t*m, (t+1)*m)) is visible once the group is complete."""
+    expected = [[0, 0, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1]]
+    assert np.array(visible_rows(mx.arange(6), 2, 3)).astype(int).tolist() == expected
+    # A decode chunk at positions 9 and 10, ratio 4: groups 0 and 1 are complete.
+    assert np.array(visible_rows(mx.array([9, 10]), 4, 3)).astype(int).tolist() == [[1, 1, 0]] * 2
+    assert np.array(visible_rows(mx.arange(3), 1, 3)).astype(int).tolist() == \
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("name,layer,ratio", [("tiny", 2, 2), ("tiny", 7, 1),
+                                              ("schedule", 8, 2), ("schedule", 20, 1)])
+def test_visible_rows_are_where_the_reference_scored(goldens, name, layer, ratio):
+    g = goldens(name)
+    scores = g.reference[f"prefill.layers.{layer}.indexer.score"]
+    n, total = scores.shape
+    assert np.array_equal(np.array(visible_rows(mx.arange(n), ratio, total)), _finite(scores))
+
+
+# ---------------------------------------------------------------- top_rows
+
+@pytest.mark.parametrize("name,layer,topk", [("tiny", 2, 16), ("tiny", 7, 16), ("tiny", 9, 16),
                                              ("schedule", 8, 32), ("schedule", 20, 32)])
 def test_top_rows_reproduce_reference_selection(goldens, name, layer, topk):
     g = goldens(name)
@@ -34,11 +80,11 @@ def test_top_rows_reproduce_reference_selection(goldens, name, layer, topk):
     for row in range(n):
         if row in ties:
             continue
-        expected = (ref[row][ref[row] >= n] - n).tolist()
+        expected = (ref[row][ref[row] >= n] - n).tolist()  # reference ids: [N window; rows]
         # Same rows in the same (ascending) order: attention sums them in this order.
         assert mine[row][mine[row] >= 0].tolist() == expected, f"row {row}"
         checked += 1
-    assert checked >= n - len(ties) and checked > 100
+    assert checked == n - len(ties) and checked > 100
 
 
 def test_top_rows_tie_rule_and_empty_picks():
@@ -47,6 +93,7 @@ def test_top_rows_tie_rule_and_empty_picks():
     picked = np.array(top_rows(scores, 5))[0].tolist()
     assert picked == [0, 1, 2, 4, -1]                   # ascending, -inf becomes a trailing -1
     assert np.array(top_rows(scores, 9)).shape == (1, 5)                 # k capped at T
+    assert np.array(top_rows(scores, 0)).shape == (1, 0)
 
 
 def test_top_rows_order_does_not_depend_on_unscored_columns():
@@ -57,34 +104,87 @@ def test_top_rows_order_does_not_depend_on_unscored_columns():
     assert mx.array_equal(top_rows(scores, 16), top_rows(padded, 16))
 
 
-@pytest.mark.parametrize("name,layer,blocks,block,ratio", [("tiny", 7, 8, 4, 1),
-                                                           ("schedule", 20, 8, 8, 1)])
-def test_candidate_pool_reproduces_reference(goldens, name, layer, blocks, block, ratio):
+# ---------------------------------------------------------------- candidate pool
+
+def test_candidate_blocks_by_hand():
+    """Blocks of 2 rows; the block holding the newest visible row is always kept; the others
+    by their best score (ties to the lower block); a block with nothing visible never is."""
+    inf = NEG_INF
+    rows = mx.array([[[0.5, 3.0, -1.0, 0.25, 2.0, 1.0, -2.0],     # position 6: newest block 3
+                      [0.5, 3.0, -1.0, 0.25, inf, inf, inf],      # position 3: newest block 1
+                      [2.0, 1.0, 0.0, 0.0, 2.0, 1.0, -2.0]]])     # position 6, b0 ties b2
+    positions = mx.array([6, 3, 6])
+
+    def member(n_blocks):
+        out = candidate_blocks(rows, positions, 1, n_blocks, 2)
+        return np.array(out[0]).astype(int).tolist()
+
+    assert member(2) == [[1, 0, 0, 1], [1, 1, 0, 0], [1, 0, 0, 1]]
+    assert member(3) == [[1, 0, 1, 1], [1, 1, 0, 0], [1, 0, 1, 1]]
+    # Ratio 2, 3 compressed rows: position 0 has no complete group (nothing visible, nothing
+    # pinned); position 3 has two, both in block 0.
+    ratio2 = mx.array([[[inf, inf, inf], [1.0, 2.0, inf]]])
+    out = candidate_blocks(ratio2, mx.array([0, 3]), 2, 1, 2)
+    assert np.array(out[0]).astype(int).tolist() == [[0, 0], [1, 0]]
+
+
+def test_expand_blocks_by_hand():
+    member = mx.array([[[True, False, True]]])
+    assert np.array(expand_blocks(member, 2, 5))[0, 0].astype(int).tolist() == [1, 1, 0, 0, 1]
+    assert np.array(expand_blocks(member, 2, 6))[0, 0].astype(int).tolist() == [1, 1, 0, 0, 1, 1]
+    assert np.array(expand_blocks(member, 3, 7))[0, 0].astype(int).tolist() == \
+        [1, 1, 1, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("name,source,_", POOLS)
+def test_candidate_pool_reproduces_reference(goldens, name, source, _):
     g = goldens(name)
-    scores = g.reference[f"prefill.layers.{layer}.indexer.score"]
-    expected = np.array(g.reference[f"prefill.layers.{layer}.indexer.candidates"])
-    n = scores.shape[0]
-    pool = np.array(candidate_pool(scores[None], mx.arange(n), ratio, blocks, block)[0])
-    ties = _tie_rows(g, layer, "candidate_blocks")
-    bad = [row for row in range(n) if row not in ties and not (pool[row] == expected[row]).all()]
+    expected = np.array(g.reference[f"prefill.layers.{source}.indexer.candidates"])
+    pool = _pool(g, source)
+    ties = _tie_rows(g, source, "candidate_blocks")
+    bad = [row for row in range(len(pool)) if row not in ties and not (pool[row] == expected[row]).all()]
     assert bad == []
     assert (~expected).any(), "the pool must actually restrict some rows in this golden"
 
 
-def test_fused_head_sum_matches_plain_ops_across_shapes():
-    """The indexer's head sum is compiled shapeless (no retrace as the cache grows); its
-    broadcast of the per-head weights must stay right when shapes change between calls,
-    including calls where the key axis has length 1."""
-    from mlx_v41.model.indexer import _weighted_relu_sum
+@pytest.mark.parametrize("name,source,reindex", [p for p in POOLS if p[2] is not None])
+def test_reindex_layer_scores_exactly_the_visible_pool(goldens, name, source, reindex):
+    """What a Reindex layer hands to top-k is visible_rows AND the source's pool, row by row:
+    the reference's recorded scores are finite exactly there."""
+    g = goldens(name)
+    scores = g.reference[f"prefill.layers.{reindex}.indexer.score"]
+    n, total = scores.shape
+    allowed = np.array(visible_rows(mx.arange(n), 1, total)) & _pool(g, source)
+    ties = _tie_rows(g, source, "candidate_blocks")
+    finite = _finite(scores)
+    bad = [row for row in range(n) if row not in ties and not (finite[row] == allowed[row]).all()]
+    assert bad == []
+    restricted = (allowed.sum(1) < np.array(visible_rows(mx.arange(n), 1, total)).sum(1)).sum()
+    assert restricted > n // 2  # most rows see fewer rows than they could without the pool
 
-    def plain(qk, w):
-        weighted = (mx.maximum(qk.astype(mx.bfloat16), 0) * w).astype(mx.bfloat16)
-        return mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16)
 
+# ---------------------------------------------------------------- fused head sum
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round to bf16 (nearest, ties to even), as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_fused_head_sum_against_numpy_across_shapes():
+    """Σ_heads bf16(relu(bf16(qk)) · w), summed in fp32, as bf16; the function is compiled
+    shapeless (no retrace as the cache grows), so its broadcast of the per-head weights must
+    stay right when shapes change between calls, including a key axis of length 1. Inputs keep
+    every product within 2^-3..2^3, so any fp32 summation order is exact and numpy's float64
+    sum is the expectation."""
     rng = np.random.default_rng(3)
     for shape in [(1, 4, 8, 9), (2, 1, 8, 1), (2, 3, 4, 1), (1, 1, 2, 300), (3, 2, 8, 17)]:
-        qk = mx.array(rng.standard_normal(shape).astype(np.float32))
-        w = mx.array(rng.standard_normal(shape[:3] + (1,)).astype(np.float32)).astype(mx.bfloat16)
-        fused = _weighted_relu_sum(qk, w)
-        assert fused.shape == shape[:2] + shape[3:]
-        assert mx.array_equal(fused, plain(qk, w)), shape
+        qk = rng.choice([-1, 1], shape) * rng.uniform(0.5, 4.0, shape)
+        w = _bf16(rng.choice([-1, 1], shape[:3] + (1,)) * rng.uniform(0.25, 2.0, shape[:3] + (1,)))
+        products = _bf16(np.maximum(_bf16(qk), 0) * w)
+        expected = _bf16(products.astype(np.float64).sum(axis=2))
+        fused = _weighted_relu_sum(mx.array(qk.astype(np.float32)),
+                                   mx.array(w).astype(mx.bfloat16))
+        assert fused.shape == shape[:2] + shape[3:] and fused.dtype == mx.bfloat16
+        assert np.array_equal(np.array(fused.astype(mx.float32)), expected), shape

@@ -89,8 +89,8 @@ def top_rows(scores: mx.array, k: int) -> mx.array:
 
 def candidate_blocks(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
                      block: int) -> mx.array:
-    """Pool membership [B, S, ceil(T / block)] of each block of rows (model.md §5.5.1): the
-    compact form of `candidate_pool`, which a later Reindex layer expands per row block."""
+    """Pool membership [B, S, ceil(T / block)] of each block of rows (model.md §5.5.1), from
+    the candidate source's visible scores; a later Reindex layer expands it (`expand_blocks`)."""
     batch, length, total = scores.shape
     blocks = -(-total // block)
     pad = blocks * block - total
@@ -112,9 +112,3 @@ def expand_blocks(member: mx.array, block: int, total: int) -> mx.array:
     """Block membership [B, S, blocks] -> row mask [B, S, total]."""
     return mx.repeat(member, block, axis=-1)[..., :total]
 
-
-def candidate_pool(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
-                   block: int) -> mx.array:
-    """Pool mask [B, S, T] from the candidate source's visible scores (model.md §5.5.1)."""
-    member = candidate_blocks(scores, positions, ratio, n_blocks, block)
-    return expand_blocks(member, block, scores.shape[-1])

@@ -4,7 +4,7 @@
 The goldens hold the scores the reference handed to top-k (bf16, -inf where invisible or outside
 the pool), what it selected and the candidate pool it built. Our functions fed those exact
 scores must reproduce its choices, except at rows the manifest lists as k-th-place ties, where
-torch's order is implementation-defined and ours keeps the lower index (deviations.md D2).
+torch's order is implementation-defined and ours keeps the lower index.
 Integer and boolean results, exact on any backend; the fused head sum is compared on the CPU
 backend (the `cpu` fixture), where its fp32 sums are exact for the chosen inputs.
 """

@@ -89,8 +89,8 @@ def top_rows(scores: mx.array, k: int) -> mx.array:
 
 def candidate_blocks(scores: mx.array, positions: mx.array, ratio: int, n_blocks: int,
                      block: int) -> mx.array:
-    """Pool membership [B, S, ceil(T / block)] of each block of rows (model.md §5.5.1), from
-    the candidate source's visible scores; a later Reindex layer expands it (`expand_blocks`)."""
+    """Pool membership [B, S, ceil(T / block)] of each block of rows, from the candidate
+    source's visible scores; a later Reindex layer expands it (`expand_blocks`)."""
     batch, length, total = scores.shape
     blocks = -(-total // block)
     pad = blocks * block - total

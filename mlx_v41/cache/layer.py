@@ -259,6 +259,8 @@ class LayerCache:
         """The layer's arrays (mlx-lm's convention: `mx.eval([c.state for c in cache])` after a
         prefill chunk materialises the cache and frees the graph that produced it)."""
         arrays = [self.window.rows]
+        if isinstance(self.engram_ids, mx.array):
+            arrays.append(self.engram_ids)
         if self.compressed is not None:
             kv = self.compressed
             arrays += [kv.kv, kv.index_k, kv.inputs] + (list(kv.pending) if kv.pending else [])

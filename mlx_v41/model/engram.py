@@ -148,8 +148,8 @@ class Engram(nn.Module):
 
 
 def engram_rows(hasher, layers: list, ids: mx.array, cache: list) -> Optional[mx.array]:
-    """Engram table rows [B, S, n_layers, columns] of a chunk of `ids` [B, S], hashed with
-    the cache's compressed-id history; the chunk's ids join that history."""
+    """Engram table rows [B, S, n_layers, columns] of a chunk of `ids` [B, S], hashed lazily
+    (no host sync) with the cache's compressed-id history; the chunk's ids join that history."""
     if not layers:
         return None
     if hasher is None:
@@ -160,16 +160,10 @@ def engram_rows(hasher, layers: list, ids: mx.array, cache: list) -> Optional[mx
     if seen.shape[1] and seen.shape[0] != batch:
         raise ValueError(f"ids have batch {batch} but the cache's Engram history holds batch "
                          f"{seen.shape[0]}")
-    seen = seen if seen.shape[1] else np.zeros((batch, 0), np.int32)
-    history = np.full((batch, hasher.history_length), -1, np.int64)
-    tail = seen[:, -hasher.history_length:]
-    if tail.shape[1]:
-        history[:, -tail.shape[1]:] = tail
-    compressed = hasher.compress(np.array(ids))
-    rows, _ = hasher.hash_compressed(compressed, history)
+    seen = mx.array(seen) if seen.shape[1] else mx.zeros((batch, 0), mx.int32)
+    rows, compressed = hasher.hash_lazy(ids, seen)
     # Only the recent ids are kept: a full history would be copied on every token.
-    kept = np.concatenate([seen[:, -ENGRAM_KEPT:], compressed.astype(np.int32)],
-                          axis=1)[:, -ENGRAM_KEPT:]
+    kept = mx.concatenate([seen, compressed], axis=1)[:, -ENGRAM_KEPT:]
     for layer in layers:
         cache[layer].engram_ids = kept
-    return mx.array(rows.astype(np.int32))
+    return rows

@@ -215,6 +215,7 @@ class EngramHasher:
         self.multipliers = engram_multipliers(self.layer_ids, max_ngram_size, compressed_vocab_size)
         self.token_map = self._check_token_map(token_map)
         self.pad_id = int(self.token_map[pad_token_id])
+        self._device = None  # the tables as MLX arrays, made on first use
 
     @classmethod
     def from_config(cls, config, token_map) -> "EngramHasher":
@@ -288,6 +289,42 @@ class EngramHasher:
         row_ids = ids.reshape(batch, length, len(self.layer_ids), self.n_columns)
         new_history = np.concatenate([history, compressed], axis=1)[:, -self.history_length :]
         return row_ids, new_history
+
+    def hash_lazy(self, ids, history):
+        """`hash` as MLX ops, so the row ids join the lazy graph and the ids never go to the
+        host for hashing (a decode step's token is still being computed when the next step is
+        built). Token ids are not range-checked here.
+
+        Args:
+            ids: int ``mx.array [B, S]`` raw token ids.
+            history: int ``mx.array [B, h]`` (h >= 0) previous compressed ids, -1 for missing.
+        Returns:
+            ``(row_ids int32 [B, S, n_layers, columns], compressed int32 [B, S])``.
+        """
+        import mlx.core as mx
+
+        if self._device is None:
+            self._device = (mx.array(self.token_map.astype(np.int32)),
+                            mx.array(self.multipliers), mx.array(self.primes),
+                            mx.array(self.offsets.reshape(self.primes.shape)))
+        token_map, multipliers, primes, offsets = self._device
+        batch, length = ids.shape
+        compressed = mx.take(token_map, ids.astype(mx.int32))
+        depth = self.history_length
+        missing = mx.full((batch, max(0, depth - history.shape[1])), DEAD, mx.int32)
+        window = mx.concatenate([missing, history[:, -depth:].astype(mx.int32), compressed], 1)
+        tokens = mx.stack([window[:, depth - k:depth - k + length] for k in range(depth + 1)], -1)
+        # The walk back stops at the first DEAD or missing id (padded_lookback).
+        blocked = mx.cummax((tokens == DEAD).astype(mx.int32), axis=-1) > 0
+        lookback = mx.where(blocked, self.pad_id, tokens).astype(mx.int64)
+        products = lookback[:, :, None, :] * multipliers          # [B, S, n_layers, K + 1]
+        rolling, orders = products[..., 0], []
+        for k in range(1, depth + 1):
+            rolling = mx.bitwise_xor(rolling, products[..., k])
+            orders.append(rolling)
+        rows = mx.stack(orders, -1)[..., None] % primes + offsets   # [B, S, L, K, heads]
+        rows = rows.reshape(batch, length, len(self.layer_ids), self.n_columns)
+        return rows.astype(mx.int32), compressed
 
     def _check_history(self, history, batch: int) -> np.ndarray:
         if history is None:

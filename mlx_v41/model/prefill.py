@@ -161,6 +161,11 @@ def _check_inputs(model, ids, cache, embeddings, step_size, teacher) -> None:
                          f"{model.cfg.max_position_embeddings}")
     if step_size is not None and not (isinstance(step_size, int) and step_size > 0):
         raise ValueError(f"step_size must be a positive int, got {step_size!r}")
+    if length > 1:  # prompts only: a decode step's token is not forced to the host for this
+        low, high = mx.min(ids).item(), mx.max(ids).item()
+        if low < 0 or high >= model.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {model.cfg.vocab_size}), got ids from "
+                             f"{low} to {high}")
     want = [batch, length, model.cfg.hidden_size]
     if embeddings is not None and list(embeddings.shape) != want:
         raise ValueError(f"input_embeddings must have shape {want} (ids' batch and length, "

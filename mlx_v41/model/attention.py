@@ -189,7 +189,8 @@ class Attention(nn.Module):
         return top_rows(scores, self.topk), member, scores
 
     def _index_keys(self, ctx: ForwardState, owner) -> mx.array:
-        """Own packed index keys; with the compat switch, the reference's stale handle (D1)."""
+        """Own packed index keys; with the compat switch, the reference's stale index-key
+        handle at decode (README.md, "Deviations from the reference")."""
         role, source = self.role, ctx.compat_index_k_source
         stale = (source is not None and role.owns_index_k and role.ratio > 1
                  and ctx.end - ctx.start == 1 and ctx.start % 2 == 0)

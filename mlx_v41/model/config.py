@@ -1,8 +1,8 @@
 """Model configuration: the published Hugging Face `config.json`, one dataclass per section.
 
 Field names equal the published keys (root, `text_config`, `vision_config`); defaults are the
-published DeepSeek-V4.1-Flash values (spec config.md §1). `__post_init__` applies the load-time
-rules of config.md §5 and names the offending key when one fails.
+published DeepSeek-V4.1-Flash values. `__post_init__` applies the load-time cross-field rules
+and names the offending key when one fails.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class TextConfig:
         for layer in ix:
             if 0 <= c < layer < n and max(s for s in kv if s <= layer) != c:
                 self._fail("kv_source_layer_ids", f"layer {layer} uses the candidate pool of "
-                           f"layer {c} but reads another layer's KV (config.md §5.4)")
+                           f"layer {c} but reads another layer's KV")
 
 
 @dataclass

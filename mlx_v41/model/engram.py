@@ -1,7 +1,7 @@
-"""Engram: hashed n-gram memory added into all residual copies before its layers (spec
-engram.md §5). Table rows stay FP8 with one E8M0 scale per 32 values, memory-mapped from disk
-(spec engram.md §8), and are read and dequantised only for the rows a token looks up; a gate
-per copy decides how much of the shared value to add.
+"""Engram: hashed n-gram memory added into all residual copies before its layers (official
+inference/engram.py). Table rows stay FP8 with one E8M0 scale per 32 values, memory-mapped from
+disk (the published tables are ~100 GB each), and only the rows a token looks up are read and
+dequantised; a gate per copy decides how much of the shared value to add.
 """
 
 from __future__ import annotations

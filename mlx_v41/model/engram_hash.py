@@ -1,8 +1,8 @@
 """Engram addressing: the compressed token map, the prime bucket layout and per-position row ids.
 
-Row ids depend only on token ids, so they are computed host-side in int64 numpy before the
-forward (products reach ~2^63; never use float). Reference: official inference/engram.py;
-spec engram.md §2-4.
+Row ids depend only on token ids and are computed in int64 (products reach ~2^63; never use
+float): host-side in numpy (`hash`, checked against the reference's vectors) or as MLX ops inside
+the forward (`hash_lazy`). Reference: official inference/engram.py.
 """
 
 import hashlib
@@ -27,7 +27,7 @@ _CONFIG_KEYS = (
 )
 
 
-# --- bucket layout (engram.md §3) -------------------------------------------------------------
+# --- bucket layout ------------------------------------------------------------------------------
 
 
 def _is_prime(n: int) -> bool:
@@ -104,7 +104,7 @@ def check_num_embeddings(primes: np.ndarray, num_embeddings) -> None:
         )
 
 
-# --- compressed token map (engram.md §2) ------------------------------------------------------
+# --- compressed token map -----------------------------------------------------------------------
 
 
 def _key_normalizer():
@@ -177,7 +177,7 @@ def load_token_map(tokenizer_json_path, cache_dir=None, compressed_vocab_size: i
     return token_map
 
 
-# --- per-position row ids (engram.md §4) ------------------------------------------------------
+# --- per-position row ids -----------------------------------------------------------------------
 
 
 class EngramHasher:

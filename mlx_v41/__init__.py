@@ -15,7 +15,7 @@ from .cache import (CacheError, cache_bytes, copy_cache, load_prompt_cache, save
                     trim_cache)
 from .checkpoint.load import load_model
 from .checkpoint.safetensors_io import CheckpointError
-from .model.config import ConfigError, ModelArgs
+from .model.config import ConfigError, ConfigWarning, ModelArgs
 
 __version__ = "0.1.0"
 
@@ -49,5 +49,5 @@ from .checkpoint.source import load  # noqa: E402
 from .generation.api import generate, stream_generate  # noqa: E402
 
 __all__ = ["load", "generate", "stream_generate",
-           "load_model", "ModelArgs", "ConfigError", "CheckpointError", "CacheError",
+           "load_model", "ModelArgs", "ConfigError", "ConfigWarning", "CheckpointError", "CacheError",
            "cache_bytes", "trim_cache", "save_prompt_cache", "load_prompt_cache", "copy_cache"]

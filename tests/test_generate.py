@@ -1,5 +1,9 @@
 """`mlx_v41.load` / `generate` / `stream_generate`, the tokenizer and the `mlx_v41.generate` CLI,
-on the tiny golden checkpoint (greedy, a few tokens)."""
+on the tiny golden checkpoint (a few tokens, greedy or seeded sampling).
+
+Streams are compared with the model called directly, often over other chunkings of the same
+tokens (a prompt cache continued, prefill steps of 4), which gives identical logits on MLX's
+CPU backend only: the module runs there (the `cpu` fixture), on the reference ops."""
 
 from __future__ import annotations
 
@@ -22,16 +26,24 @@ from mlx_v41.cache.layer import CacheError
 from mlx_v41.generation.prompt_reuse import PromptCache, reuse_prompt_cache
 from mlx_v41.generation.api import PromptTooLongError, stream_generate
 from mlx_v41.cli.generate import main, setup_arg_parser
-from conftest import golden_checkpoint, with_context, writable_copy
+from conftest import golden_checkpoint, reference_ops, with_context, writable_copy
+
+pytestmark = pytest.mark.usefixtures("cpu")
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = golden_checkpoint("tiny")
 RULE = "=" * 10
 
 
+def load_on_ops(path, **kwargs):
+    """`mlx_v41.load` with the model on the reference ops."""
+    model, tokenizer = mlx_v41.load(path, **kwargs)
+    return reference_ops(model), tokenizer
+
+
 @pytest.fixture(scope="module")
 def loaded():
-    return mlx_v41.load(GOLDEN)
+    return load_on_ops(GOLDEN)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +55,11 @@ def reference(loaded):
 
 @pytest.fixture
 def cached_load(monkeypatch):
-    """The CLI's `load`, memoised: CLI tests load each checkpoint once."""
+    """The CLI's `load`, memoised (CLI tests load each checkpoint once), on the reference ops."""
     import functools
 
     module = sys.modules["mlx_v41.cli.generate"]
-    monkeypatch.setattr(module, "load", functools.lru_cache(None)(mlx_v41.load))
+    monkeypatch.setattr(module, "load", functools.lru_cache(None)(load_on_ops))
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +138,37 @@ def test_stops_on_eos_and_feeds_it(loaded):
     assert cache[0].offset == len(ids) + 3  # every yielded token was fed, EOS included
 
 
+def sampled(model, tokenizer, ids, seed: int, n: int, **kwargs) -> list:
+    mx.random.seed(seed)
+    return [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=n,
+                                             sampler=make_sampler(**kwargs))]
+
+
 def test_sampling_is_seeded(loaded, reference):
     model, tokenizer = loaded
     ids = chat_ids(tokenizer)
-
-    def sample(seed, **kwargs):
-        mx.random.seed(seed)
-        return [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=2,
-                                                 sampler=make_sampler(**kwargs))]
-
     args = dict(temp=1.5, top_p=0.9, min_p=0.01, top_k=50)
-    assert sample(7, **args) == sample(7, **args)
-    assert sample(7, temp=1.0, top_k=1) == reference[:2]
+    assert sampled(model, tokenizer, ids, 7, 2, **args) == sampled(model, tokenizer, ids, 7, 2,
+                                                                   **args)
+    assert sampled(model, tokenizer, ids, 7, 2, temp=1.0, top_k=1) == reference[:2]
+
+
+def test_stream_samples_the_models_logits(loaded):
+    """Temperature 1: the stream's tokens are draws from the model's own distributions, one
+    per step with the seeded key sequence (a categorical draw of the prefill's last logits,
+    then of each fed token's), and not the greedy ones (measured: 6 of 8 differ)."""
+    model, tokenizer = loaded
+    ids, n = chat_ids(tokenizer), 8
+    streamed = sampled(model, tokenizer, ids, 11, n, temp=1.0)
+    mx.random.seed(11)
+    cache, direct = model.make_cache(), []
+    logits = model.prefill(mx.array([ids]), cache)[:, -1]
+    for _ in range(n):
+        direct.append(int(mx.random.categorical(logits - mx.logsumexp(logits, axis=-1)).item()))
+        logits = model(mx.array([[direct[-1]]]), cache=cache)[:, -1]
+    assert streamed == direct
+    greedy = greedy_reference(model, ids, n)
+    assert sum(a != b for a, b in zip(streamed, greedy)) >= n // 2, (streamed, greedy)
 
 
 def test_streaming_never_splits_a_character(loaded):
@@ -200,7 +231,7 @@ def test_prompt_cache_rewind(loaded):
 
 
 def test_context_limit(short_context):
-    model, tokenizer = mlx_v41.load(short_context)
+    model, tokenizer = load_on_ops(short_context)
     with pytest.raises(PromptTooLongError, match="max_position_embeddings"):
         next(stream_generate(model, tokenizer, list(range(3, 43))))
     responses = list(stream_generate(model, tokenizer, list(range(3, 38)), max_tokens=10))

@@ -1,13 +1,17 @@
-"""mlx_v41.convert: the published checkpoint -> an MLX folder (spec checkpoint.md).
+"""mlx_v41.convert: the published checkpoint -> an MLX folder.
 
 * official recipe: every parameter and Engram row of the converted model equals the direct
   load's, on a checkpoint of arange-like bytes (a wrong split, transpose or nibble order fails
   array_equal), and the logits are equal;
 * requantization recipes: weights within the format's error bound of the official values
-  (stated per mode below), logits within stated bounds, lossless mxfp8 exactly equal;
+  (stated per mode below), logits correlated with the source model's by a stated bound,
+  lossless mxfp8 exactly equal;
 * interruption (a killed subprocess) and resume, a corrupted finished file redone;
 * every bad input: one line, exit status 1, nothing at --mlx-path;
 * Engram tables memory-mapped after load_model, for a >= 2 GB (sparse) table.
+
+The module runs on MLX's CPU backend (the `cpu` fixture), on the reference ops, where the
+correlation bounds were measured.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import mlx_v41.convert.writer as writer
 from checkpoint_factory import write_checkpoint
 from mlx_v41.checkpoint.random_checkpoint import (Tensor, encode_bf16, engram_num_embeddings,
                                                   tiny_text_config)
-from conftest import golden_checkpoint
-from mlx_v41 import CheckpointError, load_model
+from conftest import golden_checkpoint, reference_ops
+from mlx_v41 import CheckpointError
 from mlx_v41.convert import convert
 from mlx_v41.convert.cli import main
 from mlx_v41.checkpoint.converted import MANIFEST
@@ -47,6 +51,13 @@ INDEX = "model.safetensors.index.json"
 PROMPT = [0, 5, 9, 300, 17, 4, 4, 4, 100, 200, 300, 400, 7, 8, 9, 10]
 QUIET = dict(progress=False, log=lambda line: None)
 REAL_WRITE = writer._write
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+
+def load_model(path):
+    """`mlx_v41.load_model` on the reference ops."""
+    return reference_ops(mlx_v41.load_model(path))
 
 
 @pytest.fixture(scope="module")
@@ -199,21 +210,30 @@ def weight_bound(official: mx.array, module) -> mx.array:
     return amax / 4
 
 
-# recipe -> (convert kwargs, bound on the relative RMS logit error over PROMPT). The tiny random
-# model amplifies weight noise (its layer 0 alone at 8 bits moves the logits by ~45%; FP8
-# activation rounding and top-k routing are discontinuous), so the logit bounds are loose and
-# the weight bounds are the tight check.
+# recipe -> (convert kwargs, lower bound on the mean cosine similarity of the requantized
+# model's logit rows over PROMPT with the source model's). The tiny random model amplifies
+# weight noise (its layer 0 alone at 8 bits moves the logits by ~45%; FP8 activation rounding
+# and top-k routing are discontinuous), so the requantized logits keep only part of the
+# source's direction and the weight bounds are the tight check. Measured: 0.85 / 0.51 / 0.58 /
+# 0.42; an all-zero model scores 0 and the source model's logits of the reversed prompt -0.02.
 RECIPES = {
-    "affine8": (dict(quantize=True, q_bits=8), 0.9),
-    "affine4_g32": (dict(quantize=True, q_group_size=32), 1.4),
-    "mixed_3_8": (dict(quant_predicate="mixed_3_8"), 1.4),
-    "mxfp4": (dict(quantize=True, q_mode="mxfp4"), 1.4),
+    "affine8": (dict(quantize=True, q_bits=8), 0.7),
+    "affine4_g32": (dict(quantize=True, q_group_size=32), 0.35),
+    "mixed_3_8": (dict(quant_predicate="mixed_3_8"), 0.4),
+    "mxfp4": (dict(quantize=True, q_mode="mxfp4"), 0.3),
 }
+
+
+def mean_cosine(logits: mx.array, reference: mx.array) -> float:
+    """Mean over positions of the cosine similarity of logit rows [.., V]; 0 for a zero row."""
+    dot = mx.sum(logits * reference, axis=-1)
+    norms = mx.linalg.norm(logits, axis=-1) * mx.linalg.norm(reference, axis=-1)
+    return mx.mean(mx.where(norms > 0, dot / mx.maximum(norms, 1e-30), 0.0)).item()
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_requantize_recipes_within_bounds(tmp_path, golden_model, golden_logits, recipe):
-    kwargs, logit_bound = RECIPES[recipe]
+    kwargs, min_cosine = RECIPES[recipe]
     out = convert(GOLDEN, tmp_path / "mlx", drop_vision=True, drop_dspark=True, **kwargs,
                   **QUIET)
     model = load_model(out)
@@ -233,9 +253,7 @@ def test_requantize_recipes_within_bounds(tmp_path, golden_model, golden_logits,
         error = error.reshape(*error.shape[:-1], -1, module.group_size).max(-1)
         assert mx.all(error <= weight_bound(reference, module)).item(), path
     assert requantized >= 36
-    logits = model(mx.array([PROMPT]))
-    rms = lambda x: mx.sqrt(mx.mean(x * x)).item()
-    assert rms(logits - golden_logits) <= logit_bound * rms(golden_logits)
+    assert mean_cosine(model(mx.array([PROMPT])), golden_logits) >= min_cosine
 
 
 def test_mixed_preset_prints_its_size(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """An installed, non-editable copy works on its own: `pip install --no-deps --target` of the source
 tree, imported in a fresh interpreter from outside the repository, finds its package data
 (official config, Metal sources), imports `mlx_v41.convert` and loads the tiny golden checkpoint
-to the same logits as the source tree.
+to the same logits as the source tree (both on the default device with its kernels: the same
+computation, so equal on any backend).
 
 pip builds in the source folder, so it builds from a copy to keep build/ and *.egg-info out of
 the repository.

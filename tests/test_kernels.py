@@ -1,7 +1,8 @@
 """The three Metal kernels (FP4 pack, SWA ring update, fused sparse attention) run in the MSL
 simulator against their `*_ops` references on odd shapes and adversarial values, plus the
 dispatchers' CPU fallback. Bytes and ring rows must match exactly; attention within the bounds
-stated at `assert_attention_close`. Tests marked `metal` need a real device.
+stated at `assert_attention_close`. The simulator runs on the host and the ops on the CPU backend
+(the `cpu` fixture); tests marked `metal` need a real device and run kernels and ops on its GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.metal_sim import SimOptions, metal_kernel
 sim = functools.partial(metal_kernel, options=SimOptions())  # strict, poisoned outputs
 checked = functools.partial(metal_kernel, options=SimOptions(check_races=True, check_coverage=True))
 has_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device (macOS)")
+pytestmark = pytest.mark.usefixtures("cpu")
 F32 = np.float32
 
 
@@ -408,19 +410,20 @@ def test_sparse_attention_rejects_a_wrong_packed_width():
 @pytest.mark.metal
 @has_metal
 def test_metal_kernels_match_ops_on_device():
-    x = mx.array(adversarial_groups("kv").reshape(-1, 64))
-    assert mx.array_equal(fp4_mod.fp4_pack(x, "kv"), fp4_mod.fp4_pack_ops(x, "kv"))
-    xi = mx.array(adversarial_groups("index").reshape(-1, 64))
-    assert mx.array_equal(fp4_mod.fp4_pack(xi, "index"), fp4_mod.fp4_pack_ops(xi, "index"))
-    ring = _ring(1, 16, 64, mx.bfloat16, 0)
-    rows = mx.array(np.resize(ring_groups().reshape(-1), (1, 5, 64))).astype(mx.bfloat16)
-    np.testing.assert_array_equal(bits(ring_mod.swa_ring_update(ring, rows, 14)),
-                                  bits(ring_mod.swa_ring_update_ops(ring, rows, 14)))
-    for case in ATTENTION_CASES.values():
-        batch, length, heads, dim, prefix, window_size, total, topk = case[:8]
-        args = attention_inputs(batch, length, heads, dim, prefix, total, topk, seed=11)
-        got = attn_mod.sparse_attention(*args, dim ** -0.5, window_size)
-        assert_attention_close(got, *args, dim ** -0.5, window_size)
+    with mx.stream(mx.gpu):  # the module runs on the CPU; Metal kernels run on the GPU only
+        x = mx.array(adversarial_groups("kv").reshape(-1, 64))
+        assert mx.array_equal(fp4_mod.fp4_pack(x, "kv"), fp4_mod.fp4_pack_ops(x, "kv"))
+        xi = mx.array(adversarial_groups("index").reshape(-1, 64))
+        assert mx.array_equal(fp4_mod.fp4_pack(xi, "index"), fp4_mod.fp4_pack_ops(xi, "index"))
+        ring = _ring(1, 16, 64, mx.bfloat16, 0)
+        rows = mx.array(np.resize(ring_groups().reshape(-1), (1, 5, 64))).astype(mx.bfloat16)
+        np.testing.assert_array_equal(bits(ring_mod.swa_ring_update(ring, rows, 14)),
+                                      bits(ring_mod.swa_ring_update_ops(ring, rows, 14)))
+        for case in ATTENTION_CASES.values():
+            batch, length, heads, dim, prefix, window_size, total, topk = case[:8]
+            args = attention_inputs(batch, length, heads, dim, prefix, total, topk, seed=11)
+            got = attn_mod.sparse_attention(*args, dim ** -0.5, window_size)
+            assert_attention_close(got, *args, dim ** -0.5, window_size)
 
 
 def test_sparse_attention_ops_row_blocks_are_exact(monkeypatch):

@@ -25,7 +25,8 @@ an end-to-end comparison alone can only be loose. The checks instead keep the ef
   our bf16 roundings and the KV rounding flips: a tight bound a real bug breaks.
 
 Measured over 6 checkpoint seeds x 2 prompts (2-core CPU, mlx 0.32.4, mlx-lm 0.32.2), worst case,
-and the threshold (each about 2x the worst case):
+and the threshold (each about 2x the worst case); the module runs on the CPU backend (the `cpu`
+fixture), our model on its reference ops:
 
 | check | worst measured | threshold |
 |---|---|---|
@@ -59,7 +60,10 @@ from mlx_v41.model import moe  # noqa: E402
 from mlx_v41.model.layers import QuantLinear  # noqa: E402
 
 from checkpoint_factory import write_checkpoint  # noqa: E402
+from conftest import reference_ops  # noqa: E402
 from mlx_v41.checkpoint.random_checkpoint import tiny_text_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("cpu")
 
 # Ragged calls: an odd prefill leaves a ratio-2 group open, then decode steps, then chunks
 # that wrap the window (16 rows).
@@ -92,7 +96,7 @@ def skip_fp8_rounding(x, dtype=None):
 
 
 def load_both(folder, numerics: str, monkeypatch):
-    ours = mlx_v41.load_model(folder)
+    ours = reference_ops(mlx_v41.load_model(folder))
     theirs, _ = load_mlx_lm(Path(folder))
     if numerics == "aligned":
         for module in ours.modules():

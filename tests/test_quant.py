@@ -1,7 +1,9 @@
-"""quant.py against an independent numpy model of numerics.md §2–3 and cache.md §3.1.
+"""quant.py against an independent numpy model of the FP8 / FP4 formats and their rounding.
 
 The numpy side decodes formats from their bit fields and rounds by nearest-grid search with an
-explicit even-code tie rule, so it shares no code or tricks with the MLX implementation.
+explicit even-code tie rule, so it shares no code or tricks with the MLX implementation. The
+MLX side runs on the CPU backend (the `cpu` fixture): the bit-exact results are claimed there;
+on a Mac the Metal packing kernel is compared with these ops on the device in test_kernels.py.
 """
 
 import math
@@ -11,6 +13,8 @@ import numpy as np
 import pytest
 
 from mlx_v41.model import quant
+
+pytestmark = pytest.mark.usefixtures("cpu")
 
 RNG_SEED = 20240601
 E4M3_NAN = (0x7F, 0xFF)

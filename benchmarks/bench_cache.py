@@ -21,9 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout; the factory is a test helper
 import mlx_v41  # noqa: E402
-from mlx_v41.checkpoint.random_checkpoint import (  # noqa: E402
+from checkpoint_factory import (  # noqa: E402
     schedule_text_config, without_engram, write_checkpoint)
 
 REAL_WIDTHS = dict(head_dim=512, index_head_dim=128, qk_rope_head_dim=64, num_attention_heads=1,

@@ -33,8 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout; the factory is a test helper
 
-from checkpoint_factory import write_checkpoint  # noqa: E402
-from mlx_v41.checkpoint.random_checkpoint import schedule_text_config  # noqa: E402
+from checkpoint_factory import schedule_text_config, write_checkpoint  # noqa: E402
 
 VOCAB = 8192
 PUBLISHED_POOL = dict(candidate_topk_blocks=2048, candidate_block_size=8)

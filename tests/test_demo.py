@@ -1,5 +1,5 @@
 """The demo checkpoint and its tokenizer, `mlx_v41.demo`, `--model demo`, the random-checkpoint
-generator the demo installs with the package, and the examples."""
+generator the demo installs with the package (and the tests' factory around it), the examples."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 import mlx_v41
 from mlx_v41.chat import format as cf
+import checkpoint_factory as factory
 from mlx_v41.checkpoint import random_checkpoint
 from mlx_v41.checkpoint.demo import (CHAT_SPECIALS, MARKER, ensure_demo_checkpoint,
                                      write_demo_tokenizer)
@@ -39,21 +40,27 @@ def demo(tmp_path_factory):
 
 def test_package_configs_are_the_goldens():
     for name, make in (("tiny", random_checkpoint.tiny_text_config),
-                       ("schedule", random_checkpoint.schedule_text_config)):
+                       ("schedule", factory.schedule_text_config)):
         text = (GOLDENS / name / "hf" / "config.json").read_text()
         assert json.dumps(random_checkpoint.root_config(make()), indent=2) == text.strip()
 
 
 def test_factory_gives_512_token_checkpoints_the_golden_tokenizer(tmp_path):
-    from checkpoint_factory import TINY_HF, write_checkpoint
-
-    folder = write_checkpoint(tmp_path / "a", engram=False)
-    assert (folder / "tokenizer.json").read_bytes() == (TINY_HF / "tokenizer.json").read_bytes()
+    folder = factory.write_checkpoint(tmp_path / "a", engram=False)
+    assert (folder / "tokenizer.json").read_bytes() == \
+        (factory.TINY_HF / "tokenizer.json").read_bytes()
     config = random_checkpoint.tiny_text_config(vocab_size=600, engram_compressed_vocab_size=300)
-    folder = random_checkpoint.write_checkpoint(tmp_path / "b", config)
+    folder = factory.write_checkpoint(tmp_path / "b", config)
     token_map = json.loads((folder / "engram_token_map.json").read_text())
     assert len(token_map) == 600 and max(token_map) == 299
     assert not (folder / "tokenizer.json").exists()
+
+
+def test_package_generator_needs_the_tokenizer_first(tmp_path):
+    """The demo's writer sizes Engram from the folder's tokenizer.json: without one it refuses."""
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        random_checkpoint.write_checkpoint(tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_demo_tokenizer(tmp_path):

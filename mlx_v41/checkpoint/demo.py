@@ -101,7 +101,7 @@ def build_demo_checkpoint(folder) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_demo_tokenizer(folder)
-    write_checkpoint(folder, tiny_text_config(), tokenizer_dir=folder)
+    write_checkpoint(folder, tiny_text_config())
     (folder / MARKER).write_text("A tiny random checkpoint made by mlx_v41.demo: its weights "
                                  "are random, so its text is random.\n")
     return folder

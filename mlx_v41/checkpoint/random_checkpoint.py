@@ -1,9 +1,11 @@
-"""Random checkpoints in the published Hugging Face layout, for the demo, tests and benchmarks.
+"""Random checkpoints in the published Hugging Face layout: what `mlx_v41.demo` builds its tiny
+checkpoint with (tests and benchmarks add their options in tests/checkpoint_factory.py).
 
 `write_checkpoint(folder, text_config)` writes config.json, model.safetensors.index.json and the
-shards with the published names, dtypes, scale layouts and shard grouping (spec checkpoint.md
-§2–4). Values are random with the statistics of the reference's tiny checkpoints, so logits come
-out well-conditioned (std ≈ 2.5). Encoders here are plain numpy, independent of the model code.
+shards with the published names, dtypes, scale layouts and shard grouping (one shard per layer,
+as published). Values are random with the statistics of the reference's tiny checkpoints, so
+logits come out well-conditioned (std ≈ 2.5). Encoders here are plain numpy, independent of the
+model code.
 """
 
 from __future__ import annotations
@@ -11,18 +13,16 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from ..model.config import official_config_path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "engram_token_map.json")
 FP8_MAX = 448.0  # largest finite E4M3FN value
 FP4_MAX = 6.0  # largest E2M1 magnitude
 BLOCK = 32  # FP8 weights: 32x32 scale blocks; FP4 experts and Engram rows: 1x32 groups
@@ -49,15 +49,6 @@ TINY_OVERRIDES = {
     "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16.0,
                      "original_max_position_embeddings": 65536, "rope_type": "yarn"},
-}
-# The reference's `schedule` checkpoint: the published 40 + 3 layer schedule at the tiny widths.
-SCHEDULE_OVERRIDES = {
-    "candidate_block_size": 8, "candidate_source_layer_id": 20,
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-    "dspark_target_layer_ids": [37, 38, 39], "engram_layer_ids": [1, 14],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36], "index_topk": 32,
-    "kv_source_layer_ids": [2, 8, 14, 20], "moe_intermediate_size": 32, "n_routed_experts": 6,
-    "num_experts_per_tok": 3, "num_hidden_layers": 40,
 }
 TINY_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2,
                "num_hidden_layers": 1, "rope_theta": 10000.0}
@@ -86,18 +77,8 @@ def tiny_text_config(**overrides) -> dict:
     return {**_official_config()["text_config"], **TINY_OVERRIDES, **overrides}
 
 
-def schedule_text_config(**overrides) -> dict:
-    """The schedule text_config: the published 40 + 3 layer schedule at hidden 128."""
-    return tiny_text_config(**SCHEDULE_OVERRIDES, **overrides)
-
-
-def without_engram(text_config: dict) -> dict:
-    """The same config with no Engram layers (what mlx-lm's port accepts)."""
-    return {**text_config, "engram_layer_ids": [], "engram_num_embeddings": []}
-
-
 def engram_num_embeddings(cfg: dict) -> list:
-    """Table rows per Engram layer: the sum of its primes (spec engram.md §3.1)."""
+    """Table rows per Engram layer: the sum of its heads' primes."""
     from ..model.engram_hash import engram_primes
 
     primes = engram_primes(cfg["engram_layer_ids"], cfg["engram_max_ngram_size"],
@@ -112,6 +93,19 @@ def root_config(text_config: dict) -> dict:
     root["text_config"] = text_config
     root["image_token_id"] = text_config["vocab_size"] - 1
     return root
+
+
+def sized_text_config(cfg: dict, tokenizer: Optional[Path] = None) -> dict:
+    """`cfg` with its Engram sizes derived: table rows from the primes and, given a
+    tokenizer.json, the compressed vocabulary its token map has."""
+    if not cfg["engram_layer_ids"]:
+        return cfg
+    cfg = {**cfg, "engram_num_embeddings": engram_num_embeddings(cfg)}
+    if tokenizer is not None:
+        from ..model.engram_hash import build_token_map
+
+        cfg["engram_compressed_vocab_size"] = int(build_token_map(tokenizer).max()) + 1
+    return cfg
 
 
 # ---------------------------------------------------------------- numpy encoders
@@ -229,7 +223,7 @@ class _Generator:
 
 
 def _block(g: _Generator, cfg: dict, p: str, layer: int, n_experts: int) -> None:
-    """Tensors of one backbone layer or DSpark stage under prefix `p` (checkpoint.md §3.2)."""
+    """Tensors of one backbone layer or DSpark stage under prefix `p`."""
     d, hd, n = cfg["hidden_size"], cfg["head_dim"], cfg["hc_mult"]
     heads = cfg["num_attention_heads"]
     q_lora, groups, o_lora = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
@@ -263,7 +257,8 @@ def _block(g: _Generator, cfg: dict, p: str, layer: int, n_experts: int) -> None
 
 
 def _global_attention(g: _Generator, cfg: dict, p: str, layer: int) -> None:
-    """Compressor and indexer tensors, present by layer role (checkpoint.md §3.2, conditional)."""
+    """Compressor and indexer tensors, present by layer role: Full layers own a compressor
+    (with a gate at ratio 2), index sources an indexer query, Full index sources its keys."""
     d, hd, q_lora = cfg["hidden_size"], cfg["head_dim"], cfg["q_lora_rank"]
     ratio = cfg["compress_ratios"][layer]
     is_kv, is_ix = layer in cfg["kv_source_layer_ids"], layer in cfg["index_source_layer_ids"]
@@ -332,7 +327,7 @@ def _vision(g: _Generator, vision: dict, d: int) -> None:
 
 
 def checkpoint_groups(config: dict, seed: int = 0) -> list[dict[str, Tensor]]:
-    """Every tensor of a root `config`, grouped as the published shards are (checkpoint.md §2).
+    """Every tensor of a root `config`, grouped as the published shards are.
 
     Order: vision + aligner; embed + image delimiters; one group per backbone layer; head + norm;
     one per DSpark stage; one per Engram layer (its table, wkv, q/k weights).
@@ -380,78 +375,10 @@ def write_safetensors(path, tensors: dict[str, Tensor], metadata: Optional[dict]
     return offset
 
 
-def _shard_plan(groups: list, shard_count: Optional[int]) -> list[dict[str, Tensor]]:
-    """Published layout: one shard per group; otherwise contiguous runs of groups."""
-    if shard_count is None or shard_count == len(groups):
-        return groups
-    if not 1 <= shard_count <= len(groups):
-        raise ValueError(f"shard_count must lie in 1..{len(groups)}, got {shard_count}")
-    bounds = np.linspace(0, len(groups), shard_count + 1).round().astype(int)
-    return [{k: v for grp in groups[a:b] for k, v in grp.items()}
-            for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _write_token_files(folder: Path, cfg: dict, seed: int, tokenizer_dir: Optional[Path]) -> dict:
-    """Copy the tokenizer files of `tokenizer_dir`; with Engram on, size the compressed
-    vocabulary from tokenizer.json, or write a synthetic engram_token_map.json (token id ->
-    compressed id, every compressed id used) when there is no tokenizer. Returns the config."""
-    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != folder.resolve():
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, folder / name)
-    if not cfg["engram_layer_ids"]:
-        return cfg
-    if (folder / "tokenizer.json").is_file():
-        from ..model.engram_hash import build_token_map
-
-        token_map = build_token_map(folder / "tokenizer.json")
-        return {**cfg, "engram_compressed_vocab_size": int(token_map.max()) + 1}
-    vocab, compressed = cfg["vocab_size"], cfg["engram_compressed_vocab_size"]
-    if compressed > vocab:
-        raise ValueError("engram_compressed_vocab_size exceeds vocab_size")
-    rng = np.random.default_rng([seed, vocab])
-    mapping = np.concatenate([np.arange(compressed), rng.integers(0, compressed,
-                                                                  vocab - compressed)])
-    (folder / "engram_token_map.json").write_text(json.dumps(mapping.tolist()))
-    return cfg
-
-
-def write_checkpoint(folder, text_config: Optional[dict] = None, *, seed: int = 0,
-                     engram: bool = True, shard_count: Optional[int] = None,
-                     edit: Optional[Callable[[str, Tensor], Optional[Tensor]]] = None,
-                     tokenizer_dir=None) -> Path:
-    """Write a random checkpoint in the published Hugging Face layout.
-
-    Args:
-        folder: output folder (created; existing files with the same names are overwritten).
-        text_config: the `text_config` section (default: `tiny_text_config()`); with Engram on,
-            `engram_num_embeddings` is recomputed from the primes.
-        seed: random seed; each tensor's values depend only on (seed, its name).
-        engram: False drops the Engram layers (config and tensors).
-        shard_count: None for the published grouping (vision, embed, one per layer, head,
-            one per DSpark stage, one per Engram layer); else that many shards.
-        edit: called as edit(name, tensor) before writing; return a replacement, or None to
-            leave the tensor out (for bad-input tests).
-        tokenizer_dir: a folder whose tokenizer.json / tokenizer_config.json /
-            engram_token_map.json are copied (it may be `folder` itself); with Engram on,
-            `engram_compressed_vocab_size` then comes from its tokenizer.json. Without one, an
-            Engram checkpoint gets a synthetic engram_token_map.json.
-    Returns:
-        The folder.
-    """
-    cfg = dict(text_config or tiny_text_config())
-    if not engram:
-        cfg = without_engram(cfg)
-    elif cfg["engram_layer_ids"]:
-        cfg["engram_num_embeddings"] = engram_num_embeddings(cfg)
+def write_shards(folder, shards: list, config: dict) -> Path:
+    """Write `shards` (name -> Tensor dicts, in order) as model-XXXXX-of-YYYYY.safetensors,
+    the index and config.json into `folder`."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = _write_token_files(folder, cfg, seed, tokenizer_dir)
-    config = root_config(cfg)
-    shards = _shard_plan(checkpoint_groups(config, seed), shard_count)
-    if edit is not None:
-        shards = [{k: t for k, t in ((k, edit(k, v)) for k, v in s.items()) if t is not None}
-                  for s in shards]
     weight_map, total = {}, 0
     for i, tensors in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -461,3 +388,24 @@ def write_checkpoint(folder, text_config: Optional[dict] = None, *, seed: int = 
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def write_checkpoint(folder, text_config: Optional[dict] = None, *, seed: int = 0) -> Path:
+    """Write a random checkpoint in the published Hugging Face layout.
+
+    Args:
+        folder: a folder that already holds the checkpoint's tokenizer.json (with Engram on,
+            `engram_compressed_vocab_size` comes from its token map); existing files with the
+            checkpoint's names are overwritten.
+        text_config: the `text_config` section (default: `tiny_text_config()`);
+            `engram_num_embeddings` is recomputed from the primes.
+        seed: random seed; each tensor's values depend only on (seed, its name).
+    Returns:
+        The folder.
+    """
+    folder = Path(folder)
+    tokenizer = folder / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise FileNotFoundError(f"{tokenizer} not found: write the tokenizer first")
+    config = root_config(sized_text_config(dict(text_config or tiny_text_config()), tokenizer))
+    return write_shards(folder, checkpoint_groups(config, seed), config)

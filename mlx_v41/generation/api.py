@@ -47,7 +47,6 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: Optional[str] = None
-    from_draft: bool = False
 
 
 

@@ -12,6 +12,9 @@ from mlx_v41.model.config import ModelArgs, TextConfig
 from mlx_v41.model.model import Model
 from conftest import golden_checkpoint
 
+# Exact equalities between different computations: they hold on the CPU backend.
+pytestmark = pytest.mark.usefixtures("cpu")
+
 
 @pytest.fixture(scope="module")
 def prompt(goldens):
@@ -87,15 +90,6 @@ def test_ced_skips_decoder_rows(prompt):
     minimal(prompt, last_only=True, capture=captured)
     assert captured["layers.7.out"].shape[1] == 61
     assert mx.array_equal(minimal(prompt, last_only=True), model(prompt, last_only=True))
-
-
-def test_ced_replay_is_approximate(prompt):
-    """Bounded replay is exact for prompts within one window and drifts beyond it."""
-    full, replay = _model("full"), _model("ced_replay")
-    short = prompt[:, :16]
-    assert mx.array_equal(full(short, last_only=True), replay(short, last_only=True))
-    drift = mx.abs(full(prompt, last_only=True) - replay(prompt, last_only=True)).max().item()
-    assert 0 < drift < 20  # measured 0.21 on this prompt: a real but bounded difference
 
 
 @pytest.mark.parametrize("step,length", [(1, 30), (7, 201), (37, 201), (64, 201)])

@@ -26,6 +26,9 @@ from mlx_v41.cli.chat import main, repl
 from mlx_v41.generation.api import PromptTooLongError, stream_generate
 from conftest import golden_checkpoint, with_context, writable_copy
 
+# Exact equalities between different computations: they hold on the CPU backend.
+pytestmark = pytest.mark.usefixtures("cpu")
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = golden_checkpoint("tiny")
 

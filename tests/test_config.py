@@ -118,7 +118,10 @@ def parse_schedule(table: str) -> list[dict]:
 def actual_schedule(cfg: TextConfig) -> list[dict]:
     roles = layer_roles(cfg)
     keys = parse_schedule(TINY_SCHEDULE)[0].keys() - {"has_engram"}
-    return [dict({k: getattr(r, k) for k in keys}, has_engram=r.engram_index is not None)
+    derived = {"has_gate_proj", "uses_yarn", "has_global"}  # what the ratio implies
+    return [dict({k: getattr(r, k) for k in keys - derived}, has_engram=r.engram_index is not None,
+                 has_gate_proj=r.has_compressor and r.ratio > 1, uses_yarn=r.ratio > 0,
+                 has_global=r.ratio > 0)
             for r in roles]
 
 

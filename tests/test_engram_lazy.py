@@ -8,6 +8,9 @@ import pytest
 import mlx_v41
 from conftest import golden_checkpoint
 
+# Exact equalities between different computations: they hold on the CPU backend.
+pytestmark = pytest.mark.usefixtures("cpu")
+
 
 @pytest.fixture(scope="module")
 def hasher():

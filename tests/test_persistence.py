@@ -17,6 +17,9 @@ from mlx_v41.model.model import Model
 from checkpoint_factory import write_checkpoint
 from conftest import golden_checkpoint
 
+# Exact equalities between different computations: they hold on the CPU backend.
+pytestmark = pytest.mark.usefixtures("cpu")
+
 GOLDEN = golden_checkpoint("tiny")
 QUIET = dict(progress=False, log=lambda line: None)
 

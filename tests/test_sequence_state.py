@@ -15,6 +15,9 @@ from mlx_v41.model.config import ModelArgs
 from mlx_v41.model.model import Model
 from conftest import golden_checkpoint
 
+# Exact equalities between different computations: they hold on the CPU backend.
+pytestmark = pytest.mark.usefixtures("cpu")
+
 
 @pytest.fixture(scope="module")
 def prompt(goldens):

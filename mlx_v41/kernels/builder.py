@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
+import mlx.core as mx
+
 METAL_PACKAGE = "mlx_v41.metal"
 
 
@@ -64,8 +66,6 @@ def build_kernel(
     simulator's factory. Returns whatever the factory returns (a callable kernel object).
     """
     if factory is None:
-        import mlx.core as mx
-
         factory = mx.fast.metal_kernel
     header = ""
     for h in header_files:
@@ -80,3 +80,10 @@ def build_kernel(
         ensure_row_contiguous=ensure_row_contiguous,
         atomic_outputs=atomic_outputs,
     )
+
+
+def metal_applies() -> bool:
+    """Metal kernels run only on the GPU device: with the CPU chosen on a Mac (or no Metal),
+    the dispatchers use the reference ops."""
+    return mx.metal.is_available() and mx.default_device() == mx.gpu
+

@@ -12,7 +12,7 @@ import functools
 import mlx.core as mx
 
 from ..model.quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
-from .builder import build_kernel
+from .builder import build_kernel, metal_applies
 
 KINDS = {"kv": (FP4_E4M3_BLOCK, True), "index": (FP4_E8M0_BLOCK, False)}  # group, E4M3 scale
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -74,7 +74,7 @@ def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True, run=None) -> mx
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     if run is not None:
         return run(rows, kind)
-    if (not use_kernel or not mx.metal.is_available() or rows.dtype not in _FLOAT_DTYPES
+    if (not use_kernel or not metal_applies() or rows.dtype not in _FLOAT_DTYPES
             or rows.ndim == 0 or rows.shape[-1] % KINDS[kind][0] or rows.size == 0):
         return fp4_pack_ops(rows, kind)
     return _metal_run()(rows, kind)

@@ -15,7 +15,7 @@ import functools
 import mlx.core as mx
 
 from ..model.quant import FP4_E4M3_BLOCK, unpack_fp4_e4m3
-from .builder import build_kernel
+from .builder import build_kernel, metal_applies
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
 MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
@@ -166,7 +166,7 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
                          f"head_dim {dim}, got {packed_kv.dtype} {packed_kv.shape}")
     if run is not None:
         return run(q, window, packed_kv, rows, sinks, scale, window_size)
-    if (not use_kernel or not mx.metal.is_available() or q.dtype != mx.bfloat16
+    if (not use_kernel or not metal_applies() or q.dtype != mx.bfloat16
             or window.dtype != mx.bfloat16 or dim % 32 or dim > MAX_HEAD_DIM
             or q.size == 0 or window_size < 1):
         return sparse_attention_ops(q, window, packed_kv, rows, sinks, scale, window_size)

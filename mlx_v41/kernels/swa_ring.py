@@ -15,7 +15,7 @@ import functools
 import mlx.core as mx
 
 from ..model.quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
-from .builder import build_kernel
+from .builder import build_kernel, metal_applies
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -102,7 +102,7 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: boo
     packed = is_packed_ring(ring, rows.shape[-1])
     if run is not None:
         return run(ring, rows, offset)
-    if (not use_kernel or not mx.metal.is_available() or rows.shape[1] == 0
+    if (not use_kernel or not metal_applies() or rows.shape[1] == 0
             or rows.dtype not in _FLOAT_DTYPES or not (packed or ring.dtype == rows.dtype)
             or rows.shape[-1] % ACT_FP8_BLOCK or offset < 0):
         return swa_ring_update_ops(ring, rows, offset)

@@ -1,5 +1,6 @@
 """Sparse indexer: relu-scored top-k selection of compressed rows, and the candidate pool
-(spec model.md §5.5). Scores are computed in bf16 like the reference; ties go to the lower row.
+(official inference/model.py `Indexer`). Scores are computed in bf16 like the reference; ties
+go to the lower row.
 """
 
 from __future__ import annotations

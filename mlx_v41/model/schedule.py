@@ -1,4 +1,4 @@
-"""Per-layer roles of the 43-slot schedule, computed once from the config (spec config.md §3–4).
+"""Per-layer roles of the 43-slot schedule, computed once from the config.
 
 SWA-only, Full (owns compressed KV and index keys), Reindex (own indexer query over an owner's
 keys) and Reuse (owner's KV and selection) layers; plus Engram placement, DSpark stages and taps.
@@ -32,24 +32,12 @@ class LayerRole:
     experts_per_tok: int
 
     @property
-    def has_global(self) -> bool:
-        return self.ratio > 0
-
-    @property
     def has_compressor(self) -> bool:
         return self.mode == FULL
 
     @property
-    def has_gate_proj(self) -> bool:
-        return self.mode == FULL and self.ratio > 1
-
-    @property
     def has_indexer(self) -> bool:
         return self.mode in (FULL, REINDEX)
-
-    @property
-    def uses_yarn(self) -> bool:
-        return self.ratio > 0
 
 
 def _last_at_or_below(sources, layer: int) -> Optional[int]:
@@ -69,7 +57,7 @@ def decoder_start(cfg: TextConfig) -> int:
 
 def ced_halo(cfg: TextConfig, rows: int, rollback: int = 0) -> list:
     """(window-KV rows in, rows computed) of each decoder layer in an exact CED prefill of
-    `rows` new positions (cache.md §4.2: W + (D - 1)(W - 1) in and W + (D - 2)(W - 1) out at
+    `rows` new positions (W + (D - 1)(W - 1) in and W + (D - 2)(W - 1) out at
     the first decoder layer, W - 1 fewer per layer, 1 out at the last). `rollback` > 1 adds
     rollback - 1 rows per layer, so the rings then hold what a trim of that many tokens needs
     (the minimal halo already allows 1)."""

@@ -1,13 +1,9 @@
-"""`mlx_v41.chat`: a multi-turn chat that keeps its prompt cache across turns.
-
-    mlx_v41.chat --model demo
-    mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --no-thinking
-
-Each turn renders the whole conversation with the V4.1 chat format and runs only the tokens the
-cache does not hold yet. In thinking mode earlier turns lose their reasoning (and the header
-token changes), so the new prompt need not extend the cached tokens: the session then rolls the
-cache back with `trim_cache`, or restores the snapshot taken at the end of the last prompt, or
-prefills from scratch, whichever keeps the most.
+"""`ChatSession`: a multi-turn conversation over one model that keeps its prompt cache across
+turns. Each turn renders the whole conversation with the V4.1 chat format and runs only the
+tokens the cache does not hold yet. In thinking mode earlier turns lose their reasoning (and the
+header token changes), so the new prompt need not extend the cached tokens: the session then
+rolls the cache back with `trim_cache`, or restores the snapshot taken at the end of the last
+prompt, or prefills from scratch, whichever keeps the most.
 """
 
 from __future__ import annotations

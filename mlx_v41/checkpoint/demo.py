@@ -1,11 +1,7 @@
-"""`mlx_v41.demo`: every stage of the pipeline on a tiny random checkpoint, in seconds.
-
-    mlx_v41.demo                       # or: mlx_v41.generate --model demo -p "Hello"
-
-The checkpoint (the reference's `tiny` shape: 12 + 3 layers with every layer role, Engram and
-DSpark, hidden 128) is written once in the published layout to ~/.cache/mlx_v41/ with a tiny
-byte-level BPE tokenizer trained here, the chat tokens at the ids its config uses. Its weights
-are random, so its text is random: the demo shows the machinery, not a language model.
+"""The demo checkpoint: the reference's `tiny` shape (12 + 3 layers with every layer role,
+Engram and DSpark, hidden 128), written once in the published layout to ~/.cache/mlx_v41/ with a
+tiny byte-level BPE tokenizer trained here, the chat tokens at the ids its config uses. Its
+weights are random, so its text is random: it shows the machinery, not a language model.
 """
 
 from __future__ import annotations

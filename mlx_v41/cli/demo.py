@@ -2,10 +2,8 @@
 
     mlx_v41.demo                       # or: mlx_v41.generate --model demo -p "Hello"
 
-The checkpoint (the reference's `tiny` shape: 12 + 3 layers with every layer role, Engram and
-DSpark, hidden 128) is written once in the published layout to ~/.cache/mlx_v41/ with a tiny
-byte-level BPE tokenizer trained here, the chat tokens at the ids its config uses. Its weights
-are random, so its text is random: the demo shows the machinery, not a language model.
+The checkpoint is built once (mlx_v41.checkpoint.demo); the stages are the real load, chat
+format, prefill, decode, cache reuse and byte counts.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import mlx.nn as nn
 
 from .quant import act_fp8_qdq
 
+PAIRWISE_LEAF = 16  # values summed in sequence at the leaves of the pairwise norm reduction
+
 
 class RMSNorm(nn.Module):
     """`bf16(w * (x * rsqrt(mean(x^2) + eps)))` with the normalisation in fp32."""
@@ -29,8 +31,19 @@ class RMSNorm(nn.Module):
 
 def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     xf = x.astype(mx.float32)
-    normed = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = xf * mx.rsqrt(_pairwise_mean(xf * xf) + eps)
     return (weight * normed).astype(mx.bfloat16)
+
+
+def _pairwise_mean(squares: mx.array) -> mx.array:
+    """Mean over the last axis, summed pairwise (halves added until PAIRWISE_LEAF remain): it
+    rounds like the reference's fp32 reduction where a sequential sum is off by an ulp, and
+    one such ulp in a norm moves a block's whole window downstream."""
+    count = width = squares.shape[-1]
+    while width % 2 == 0 and width > PAIRWISE_LEAF:
+        width //= 2
+        squares = squares[..., :width] + squares[..., width:]
+    return mx.sum(squares, axis=-1, keepdims=True) / count
 
 
 @functools.cache

@@ -64,7 +64,7 @@ def _hash_shard(digest, path: Path) -> None:
 
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
-               ced_rollback: Optional[int] = None):
+               ced_rollback: Optional[int] = None, dspark: bool = False):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -79,6 +79,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         ced_rollback: tokens `trim_cache` can undo right after a CED prefill; the decoder
             halo grows by this many rows per layer. Default (None): window + 1, the same as
             after decoding or a full prefill; 0 gives the minimal halo (trim of 1).
+        dspark: also load the DSpark drafter (`mtp.*`, published layout only) into
+            `model.dspark`; default off (speculative decoding does not use it yet).
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -92,8 +94,11 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         raise CheckpointError(f"{folder}: model folder not found")
     args = ModelArgs.from_file(folder / "config.json")
     model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                  prefill_mode=prefill_mode, ced_rollback=ced_rollback)
+                  prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
     token_map = None
+    if is_converted(folder) and dspark:
+        raise CheckpointError(f"{folder}: a converted folder keeps the DSpark tensors in the "
+                              "published layout; load the drafter from the published checkpoint")
     if is_converted(folder):
         token_map = load_converted(model, folder)
     else:

@@ -69,6 +69,24 @@ RENAMES = [
     (L + r"engram\.wkv", r"model.layers.\1.engram.kv_proj", "fp8"),
     (L + r"engram\.(q_weight|k_weight)", r"model.layers.\1.engram.\2", "plain"),
 ]
+M = r"mtp\.(\d+)\."
+
+
+def _stage_renames() -> list:
+    """A DSpark stage's tensors carry a backbone layer's names (no compressor, indexer or
+    Engram) under `mtp.S.`; they load into `dspark.stages.S`."""
+    skip = ("compressor", "indexer", "engram")
+    return [(M + p[len(L):], t.replace("model.layers.", "dspark.stages.", 1), k)
+            for p, t, k in RENAMES if p.startswith(L) and not any(w in p for w in skip)]
+
+
+DSPARK_RENAMES = _stage_renames() + [
+    (r"mtp\.0\.main_proj", "dspark.main_proj", "fp8"),
+    (r"mtp\.0\.main_norm\.weight", "dspark.main_norm.weight", "plain"),
+    (r"mtp\.2\.norm\.weight", "dspark.norm.weight", "plain"),
+    (r"mtp\.2\.markov_head\.(embed|head)\.weight", r"dspark.markov_head.\1", "plain"),
+    (r"mtp\.2\.confidence_head\.proj\.weight", "dspark.confidence_head.proj", "plain"),
+]
 # (pattern, reason, group): the converter keeps a group's tensors verbatim unless told to drop it.
 DROPS = [
     (r"mtp\..*", "DSpark drafter: not part of the text model yet", "dspark"),
@@ -107,11 +125,11 @@ def read_index(folder: Path) -> dict:
     raise CheckpointError(f"{folder}: no model.safetensors.index.json or model.safetensors")
 
 
-def _match(name: str):
+def _match(name: str, renames: list = RENAMES):
     base = name[:-len(".scale")] if name.endswith(".scale") else name
     base = base[:-len(".weight")] if base.endswith(".weight") and not any(
-        re.fullmatch(p, base) for p, _, _ in RENAMES) else base
-    for pattern, target, kind in RENAMES:
+        re.fullmatch(p, base) for p, _, _ in renames) else base
+    for pattern, target, kind in renames:
         m = re.fullmatch(pattern, base)
         if m and (kind in PAIRED or base == name):
             return m, target, kind, base
@@ -155,15 +173,18 @@ class _Shards:
         return f.get(name)
 
 
-def plan(index: dict) -> tuple[dict, dict]:
-    """Sort every published tensor into (used: target -> [(kind, base, match)], dropped)."""
+def plan(index: dict, dspark: bool = False) -> tuple[dict, dict]:
+    """Sort every published tensor into (used: target -> [(kind, base, match)], dropped);
+    `dspark` loads the drafter's `mtp.*` tensors instead of dropping them."""
     used, dropped = defaultdict(list), {}
+    drops = [d for d in DROPS if not (dspark and d[2] == "dspark")]
+    renames = RENAMES + DSPARK_RENAMES if dspark else RENAMES
     for name in sorted(index):
-        reason = next((why for p, why, _ in DROPS if re.fullmatch(p, name)), None)
+        reason = next((why for p, why, _ in drops if re.fullmatch(p, name)), None)
         if reason:
             dropped[name] = reason
             continue
-        hit = _match(name)
+        hit = _match(name, renames)
         if hit is None:
             raise CheckpointError(f"unknown tensor {name} in the checkpoint")
         m, target, kind, base = hit
@@ -275,7 +296,7 @@ def load_weights(model, folder) -> dict:
     """
     folder = Path(folder)
     index = read_index(folder)
-    used, dropped = plan(index)
+    used, dropped = plan(index, dspark="dspark" in model)
     params = dict(tree_flatten(model.parameters()))
     tables = engram_tables(model)
     shards = _Shards(index)

@@ -19,6 +19,7 @@ from ..cache.layer import LayerCache, rollback_limit
 from ..kernels import Kernels
 from .attention import Attention
 from .config import ModelArgs, TextConfig
+from .dspark import DSpark
 from .engram import Engram
 from .engram_hash import EngramHasher
 from .layers import RMSNorm
@@ -140,7 +141,8 @@ class Model(nn.Module):
     """`logits = model(ids, cache=cache)`: ids int [B, S], logits float32 [B, S, vocab]."""
 
     def __init__(self, args: ModelArgs, compat_reference_index_k_bug: bool = False,
-                 prefill_mode: str = "ced", ced_rollback: Optional[int] = None):
+                 prefill_mode: str = "ced", ced_rollback: Optional[int] = None,
+                 dspark: bool = False):
         super().__init__()
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
@@ -156,6 +158,8 @@ class Model(nn.Module):
         self.args, self.cfg = args, cfg
         self.model = TextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if dspark:  # the drafter's stages and heads (`mtp.*`); embed and head are shared
+            self.dspark = DSpark(cfg)
         self.compat_reference_index_k_bug = compat_reference_index_k_bug
         self.prefill_mode = _usable_mode(cfg, prefill_mode, self.model.decoder_start)
         self.engram_hasher: Optional[EngramHasher] = None

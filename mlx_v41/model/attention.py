@@ -48,18 +48,25 @@ class GroupedLinear(nn.Module):
         return out.squeeze(-2).astype(mx.bfloat16)
 
 
+def add_projections(module: nn.Module, cfg: TextConfig) -> None:
+    """The projections every attention has (backbone and DSpark): low-rank query, shared KV
+    with its norm, grouped output, per-head sinks."""
+    d, h, eps = cfg.head_dim, cfg.num_attention_heads, cfg.rms_norm_eps
+    module.q_a_proj = QuantLinear(cfg.hidden_size, cfg.q_lora_rank)
+    module.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
+    module.q_b_proj = QuantLinear(cfg.q_lora_rank, h * d)
+    module.kv_proj = QuantLinear(cfg.hidden_size, d)
+    module.kv_norm = RMSNorm(d, eps)
+    module.o_a_proj = GroupedLinear(cfg.o_groups, h * d // cfg.o_groups, cfg.o_lora_rank)
+    module.o_b_proj = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+    module.sinks = mx.zeros((h,), dtype=mx.float32)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, role: LayerRole):
         super().__init__()
         d, h, eps = cfg.head_dim, cfg.num_attention_heads, cfg.rms_norm_eps
-        self.q_a_proj = QuantLinear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.q_b_proj = QuantLinear(cfg.q_lora_rank, h * d)
-        self.kv_proj = QuantLinear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d, eps)
-        self.o_a_proj = GroupedLinear(cfg.o_groups, h * d // cfg.o_groups, cfg.o_lora_rank)
-        self.o_b_proj = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.sinks = mx.zeros((h,), dtype=mx.float32)
+        add_projections(self, cfg)
         if role.has_compressor:
             self.compressor = Compressor(cfg.hidden_size, d, role.ratio, eps)
         if role.has_indexer:

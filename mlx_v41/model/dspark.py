@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ..cache.dspark import DraftRings
 from ..kernels.sparse_attention import attend
-from .attention import GroupedLinear
+from .attention import add_projections
 from .config import TextConfig
 from .layers import QuantLinear, RMSNorm
 from .mhc import HyperConnection, collapse, expand
@@ -31,17 +31,9 @@ class DSparkAttention(nn.Module):
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
-        d, h, eps = cfg.head_dim, cfg.num_attention_heads, cfg.rms_norm_eps
-        self.q_a_proj = QuantLinear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.q_b_proj = QuantLinear(cfg.q_lora_rank, h * d)
-        self.kv_proj = QuantLinear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d, eps)
-        self.o_a_proj = GroupedLinear(cfg.o_groups, h * d // cfg.o_groups, cfg.o_lora_rank)
-        self.o_b_proj = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.sinks = mx.zeros((h,), dtype=mx.float32)
+        add_projections(self, cfg)
         self.rope = shared_rope(cfg.qk_rope_head_dim, cfg.rope_theta)  # base 10000, no YaRN
-        self.heads, self.head_dim = h, d
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
 
     def kv_rows(self, x: mx.array, position) -> mx.array:
         """FP8-rounded, RoPE'd KV rows [B, S, d] of inputs x [B, S, D] at `position`.."""

@@ -47,7 +47,8 @@ warnings.filterwarnings("ignore", category=RuntimeWarning,
                         message=r"'mlx_v41\.generate' found in sys\.modules")
 from .checkpoint.source import load  # noqa: E402
 from .generation.api import generate, stream_generate  # noqa: E402
+from .generation.speculative import Sampling  # noqa: E402
 
-__all__ = ["load", "generate", "stream_generate",
+__all__ = ["load", "generate", "stream_generate", "Sampling",
            "load_model", "ModelArgs", "ConfigError", "ConfigWarning", "CheckpointError", "CacheError",
            "cache_bytes", "trim_cache", "save_prompt_cache", "load_prompt_cache", "copy_cache"]

@@ -74,6 +74,10 @@ class WindowRing:
         slots = mx.arange(position - n, position) % self.capacity
         return unpack_fp8_e8m0(self.rows[:, slots])
 
+    def rows_at(self, positions: mx.array) -> mx.array:
+        """Decoded rows [B, n, d] of the given held positions, in the given order."""
+        return unpack_fp8_e8m0(self.rows[:, positions % self.capacity])
+
     def write(self, values: mx.array, position: int, kernels: Optional[Kernels] = None) -> None:
         """Store window KV values of positions [position, position + S) as FP8 rows."""
         if self.rows is None:

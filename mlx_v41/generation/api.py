@@ -12,6 +12,8 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .speculative import DraftStats, check_draft_settings, speculative_steps
+
 
 
 DEFAULT_PREFILL_STEP_SIZE = 2048
@@ -36,6 +38,8 @@ class GenerationResponse:
         generation_tokens / generation_tps: tokens generated so far and their rate.
         peak_memory: peak MLX memory so far, GB.
         finish_reason: "stop" (EOS / end of turn), "length" (max_tokens or the context), None.
+        from_draft: the token is a DSpark draft the target accepted (mlx-lm's field).
+        draft_stats: with draft="dspark", the stream's drafts proposed / accepted so far.
     """
 
     text: str
@@ -47,6 +51,8 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: Optional[str] = None
+    from_draft: bool = False
+    draft_stats: Optional[DraftStats] = None
 
 
 
@@ -117,7 +123,9 @@ def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int]
 
 def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt_seconds: float,
                   max_tokens: int, sampler=None, logits_processors=None,
-                  history: Sequence[int] = ()) -> Iterator[GenerationResponse]:
+                  history: Sequence[int] = (), draft: Optional[str] = None,
+                  num_draft_tokens: int = 5,
+                  draft_confidence: Optional[float] = None) -> Iterator[GenerationResponse]:
     """`GenerationResponse`s from the prompt's last `logits` (after `prefill`)."""
     # Every yielded token is fed, so the context caps the reply.
     max_tokens = min(max_tokens, model.args.text_config.max_position_embeddings - cache[0].offset)
@@ -125,9 +133,11 @@ def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt
     detokenizer = tokenizer.detokenizer
     stops = tokenizer.eos_token_ids
     tic, token, n = time.perf_counter(), None, 0
-    steps = generate_step(model, logits, cache, tokens=history, sampler=sampler,
-                          logits_processors=logits_processors, max_tokens=max_tokens)
-    for n, (token, logprobs) in enumerate(steps, start=1):
+    stats = DraftStats() if draft else None
+    steps = _steps(model, logits, cache, history, sampler, logits_processors, max_tokens, stops,
+                   draft, num_draft_tokens, draft_confidence, stats)
+    from_draft = False
+    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
         if token in stops:
             break
         detokenizer.add_token(token)
@@ -135,14 +145,30 @@ def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt
             break
         yield GenerationResponse(detokenizer.last_segment, token, logprobs, prompt_tokens,
                                  prompt_tps, n, n / (time.perf_counter() - tic),
-                                 mx.get_peak_memory() / 1e9)
+                                 mx.get_peak_memory() / 1e9, from_draft=from_draft,
+                                 draft_stats=stats)
     if token is None:
         return
     detokenizer.finalize()
     yield GenerationResponse(detokenizer.last_segment, token, logprobs, prompt_tokens,
                              prompt_tps, n, n / (time.perf_counter() - tic),
                              mx.get_peak_memory() / 1e9,
-                             "stop" if token in stops else "length")
+                             "stop" if token in stops else "length", from_draft, stats)
+
+
+def _steps(model, logits, cache, history, sampler, logits_processors, max_tokens, stops, draft,
+           num_draft_tokens, draft_confidence, stats) -> Iterator[tuple]:
+    """(token, logprobs, from_draft) of plain or DSpark speculative decoding."""
+    if draft is None:
+        steps = generate_step(model, logits, cache, tokens=history, sampler=sampler,
+                              logits_processors=logits_processors, max_tokens=max_tokens)
+        return ((token, logprobs, False) for token, logprobs in steps)
+    if draft != "dspark":
+        raise ValueError(f"draft must be None or 'dspark', got {draft!r}")
+    sampling = check_draft_settings(model, sampler, logits_processors, num_draft_tokens)
+    return speculative_steps(model, logits, cache, sampling=sampling, max_tokens=max_tokens,
+                             stops=stops, num_draft_tokens=num_draft_tokens,
+                             draft_confidence=draft_confidence, stats=stats)
 
 
 
@@ -150,7 +176,9 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
                     max_tokens: int = 256, *, sampler=None, logits_processors=None,
                     prompt_cache: Optional[list] = None,
                     prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
-                    prompt_progress_callback=None) -> Iterator[GenerationResponse]:
+                    prompt_progress_callback=None, draft: Optional[str] = None,
+                    num_draft_tokens: int = 5,
+                    draft_confidence: Optional[float] = None) -> Iterator[GenerationResponse]:
     """Stream a reply to `prompt`.
 
     Args:
@@ -165,6 +193,12 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
             what it holds.
         prefill_step_size: prompt tokens per prefill chunk.
         prompt_progress_callback: called as (tokens done, total) during the prefill.
+        draft: "dspark" decodes speculatively with the checkpoint's drafter (load with
+            dspark=True): greedy output is plain greedy decoding's; sampling needs
+            `sampler=mlx_v41.Sampling(...)` and is distributed exactly as plain sampling.
+        num_draft_tokens: drafts verified per cycle, 1..5.
+        draft_confidence: verify only the longest prefix whose running product of the
+            drafter's sigmoid(confidence) stays >= this (None: always `num_draft_tokens`).
     Yields:
         `GenerationResponse`s; the last one has `finish_reason` "stop" or "length".
     """
@@ -179,7 +213,9 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
         yield from stream_decode(model, tokenizer, logits, cache, prompt_tokens=len(ids),
                                  prompt_seconds=time.perf_counter() - tic,
                                  max_tokens=max_tokens, sampler=sampler,
-                                 logits_processors=logits_processors, history=ids)
+                                 logits_processors=logits_processors, history=ids, draft=draft,
+                                 num_draft_tokens=num_draft_tokens,
+                                 draft_confidence=draft_confidence)
 
 
 
@@ -211,6 +247,10 @@ def print_stats(response: Optional[GenerationResponse], file=None) -> None:
           file=file)
     print(f"Generation: {response.generation_tokens} tokens, "
           f"{response.generation_tps:.3f} tokens-per-sec", file=file)
+    stats = response.draft_stats
+    if stats is not None:
+        print(f"Drafts: {stats.accepted} accepted of {stats.proposed} proposed, "
+              f"{stats.tokens_per_cycle:.2f} tokens per verify cycle", file=file)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=file)
 
 

@@ -12,7 +12,6 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.dspark import DraftRings
 from ..kernels.sparse_attention import attend
 from .attention import add_projections
 from .config import TextConfig
@@ -119,21 +118,37 @@ class DSpark(nn.Module):
         """Each stage's ring rows [B, S, d] for committed positions position.. of main_x."""
         return [stage.self_attn.kv_rows(main_x, position) for stage in self.stages]
 
-    def make_rings(self) -> DraftRings:
-        return DraftRings(self.cfg.sliding_window, len(self.stages))
+    def write_rings(self, rings: list, main_x: mx.array, position: int, kernels=None) -> None:
+        """Write the stages' ring rows of positions position.. from their `main_x` [B, S, D]
+        (`rings`: the cache's DSpark entries; their offsets advance at the call's commit)."""
+        for ring, values in zip(rings, self.ring_rows(main_x, position)):
+            ring.window.write(values, position, kernels)
+
+    def ring_keys(self, ring, position: int) -> Optional[mx.array]:
+        """A stage ring's rows of the last `sliding_window` positions before `position`, in
+        the reference's key order (slot = position mod window)."""
+        window = self.cfg.sliding_window
+        first = max(0, position - window)
+        if position == first:
+            return None
+        positions = mx.arange(first, position)
+        order = mx.argsort(positions % window) if position > window else positions - first
+        return ring.window.rows_at(positions[order])
 
     def draft(self, embed: nn.Embedding, lm_head: mx.array, anchor: mx.array,
-              rings: DraftRings, sample=None, stage_inputs: Optional[dict] = None,
+              rings: list, sample=None, stage_inputs: Optional[dict] = None,
               capture: Optional[dict] = None):
-        """One draft pass: the block [anchor, noise...] at positions rings.count.. (the anchor
-        is the token for the first position the rings do not hold) through the stages, then
+        """One draft pass: the block [anchor, noise...] at positions P.. (P: the rings' offset;
+        the anchor is the token for the first position they do not hold; `rings` are the
+        cache's DSpark entries, `cache[num_hidden_layers:]`) through the stages, then
         `head`. `stage_inputs` {stage: (streams, pre)} replaces given stages' inputs and
         `capture` receives every stage's (streams, pre) out (block-isolated parity).
         Returns `head`'s (tokens, logits, confidence)."""
         streams, pre = self.block_inputs(embed, anchor)
         for k, stage in enumerate(self.stages):
             streams, pre = (stage_inputs or {}).get(k, (streams, pre))
-            streams, pre = stage(streams, pre, rings.keys(k), rings.count)
+            position = rings[k].offset
+            streams, pre = stage(streams, pre, self.ring_keys(rings[k], position), position)
             if capture is not None:
                 capture[k] = (streams, pre)
         return self.head(streams, pre, lm_head, anchor, sample)

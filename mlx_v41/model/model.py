@@ -81,8 +81,8 @@ class Block(nn.Module):
         if layer in state.tap_layers:
             tap = mx.mean(streams, axis=2)
             previous = state.taps.get(layer)
-            state.taps[layer] = tap if previous is None else \
-                mx.concatenate([previous, tap], axis=1)
+            tap = tap if previous is None else mx.concatenate([previous, tap], axis=1)
+            state.taps[layer] = tap if state.tap_keep is None else tap[:, -state.tap_keep:]
         return streams, pre_in
 
     def attention_input(self, streams, pre_in):
@@ -172,10 +172,14 @@ class Model(nn.Module):
         return self.model.roles
 
     def make_cache(self) -> list:
+        """One `LayerCache` per backbone layer, then (with the drafter loaded) one per DSpark
+        stage holding only its window ring."""
         cfg = self.cfg
-        return [LayerCache(cfg.sliding_window, role.ratio, role.mode == "full",
-                           role.engram_index is not None)
-                for role in self.roles[:cfg.num_hidden_layers]]
+        cache = [LayerCache(cfg.sliding_window, role.ratio, role.mode == "full",
+                            role.engram_index is not None)
+                 for role in self.roles[:cfg.num_hidden_layers]]
+        stages = len(self.dspark.stages) if "dspark" in self else 0
+        return cache + [LayerCache(cfg.sliding_window) for _ in range(stages)]
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
                  capture: Optional[dict] = None,

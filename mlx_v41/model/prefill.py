@@ -55,12 +55,28 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     chunks = [(ids[:, i:i + step], None if embeddings is None else embeddings[:, i:i + step])
               for i in range(0, length, step)]
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
-    run = Run(model, cache, start, taps, teacher, capture,
+    drafting = "dspark" in model
+    targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
+    run = Run(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher, capture,
               Progress(progress, length, cache, len(chunks)))
+    if drafting and not taps:  # only the draft rings read them: keep what a ring holds
+        run.tap_keep = cache[-1].window.capacity
     with transaction(cache):
         logits = run.full(chunks, last_only) if mode == "full" else run.encoder_only(chunks, mode)
+        if drafting:
+            write_draft_rings(model, cache, run.taps, start + length)
         commit(cache, start + length)
-    return ModelOutput(logits, run.taps)
+    return ModelOutput(logits, {layer: run.taps[layer] for layer in taps})
+
+
+def write_draft_rings(model, cache: list, taps: dict, end: int) -> None:
+    """The DSpark stages' ring rows of the positions every target tap covers (the call's last
+    rows), from their `main_x`: what a later draft pass attends."""
+    layers = model.cfg.dspark_target_layer_ids
+    rows = min(taps[layer].shape[1] for layer in layers)
+    main_x = model.dspark.main_x([taps[layer][:, -rows:] for layer in layers])
+    model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], main_x, end - rows,
+                             model.kernels)
 
 
 class Run:
@@ -69,13 +85,14 @@ class Run:
     def __init__(self, model, cache: list, start: int, taps, teacher, capture, report):
         self.model, self.text, self.cache, self.start = model, model.model, cache, start
         self.tap_layers, self.teacher, self.capture, self.report = taps, teacher, capture, report
-        self.taps = {}
+        self.taps, self.tap_keep = {}, None
 
     def state(self, start: int, end: int) -> ForwardState:
         return ForwardState(start=start, end=end, shared=shared_state(self.cache, self.text.roles),
                             compat_index_k_source=self.model.compat_source,
                             kernels=self.model.kernels, teacher=self.teacher,
-                            tap_layers=self.tap_layers, taps=self.taps, capture=self.capture)
+                            tap_layers=self.tap_layers, taps=self.taps, tap_keep=self.tap_keep,
+                            capture=self.capture)
 
     def encode(self, ids, embeddings, start: int):
         """The encoder stack over one chunk at `start` -> (state, streams, pre)."""

@@ -61,6 +61,7 @@ class ForwardState:
     teacher: Optional[BlockInputs] = None        # block-isolated parity
     tap_layers: tuple = ()                       # layers whose entering streams are returned
     taps: dict = field(default_factory=dict)     # layer -> [B, rows, D] mean over the copies
+    tap_keep: Optional[int] = None               # taps keep only their last rows (None: all)
     capture: Optional[dict] = None               # debugging: name -> intermediate
 
     def record(self, name: str, value: mx.array) -> None:

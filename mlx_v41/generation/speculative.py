@@ -1,0 +1,168 @@
+"""DSpark speculative decoding: the drafter proposes up to 5 tokens after the anchor, one target
+forward verifies them all, and the cache is trimmed back to what was accepted.
+
+Greedy: the committed tokens are exactly plain greedy decoding's. Sampling: standard
+speculative rejection sampling with the same warpers (temperature, top-p, min-p, top-k) on the
+target's and the drafter's distributions, so the output is distributed as plain sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+from ..cache.layer import trim_cache
+
+MAX_DRAFT_TOKENS = 5  # the drafter's block holds the anchor and 5 proposals
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampler settings (mlx-lm's `make_sampler` arguments), usable as an mlx-lm sampler and,
+    because its distribution is known, for exact speculative sampling. temp 0 is greedy."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+
+    def logprobs(self, logprobs: mx.array) -> mx.array:
+        """The log-distribution a draw uses: mlx-lm's filters, then the temperature."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        scaled = logprobs / self.temp
+        return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.temp == 0:
+            return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.logprobs(logprobs))
+
+
+@dataclass
+class DraftStats:
+    """Drafts proposed and accepted, and verify cycles, of one stream."""
+
+    proposed: int = 0
+    accepted: int = 0
+    cycles: int = 0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return (self.accepted + self.cycles) / max(self.cycles, 1)
+
+
+def check_draft_settings(model, sampler, logits_processors, num_draft_tokens: int) -> Sampling:
+    """The settings speculative decoding runs with, or a ValueError naming what is missing."""
+    if "dspark" not in model:
+        raise ValueError("draft='dspark' needs the DSpark drafter: load the model with "
+                         "dspark=True (a checkpoint with the mtp.* tensors)")
+    if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
+        raise ValueError(f"num_draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got "
+                         f"{num_draft_tokens!r}")
+    if logits_processors:
+        raise ValueError("logits processors are not supported with draft='dspark' yet")
+    if sampler is None:
+        return Sampling()
+    if not isinstance(sampler, Sampling):
+        raise ValueError("draft='dspark' samples exactly only with known settings: pass "
+                         "sampler=mlx_v41.Sampling(temp, top_p, min_p, top_k)")
+    return sampler
+
+
+def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Sampling,
+                      max_tokens: int, stops: Sequence[int] = (), num_draft_tokens: int = 5,
+                      draft_confidence: Optional[float] = None,
+                      stats: Optional[DraftStats] = None) -> Iterator[tuple]:
+    """(token, logprobs, from_draft) continuing from the prompt's last `logits` [1, 1, V],
+    like `generate_step`: every yielded token has been fed to the cache, and the cache holds
+    exactly the yielded tokens after the prompt (rejected and unyielded rows are trimmed)."""
+    stats = stats if stats is not None else DraftStats()
+    limit = model.cfg.max_position_embeddings
+    logprobs = _normalise(logits[0, -1])
+    anchor = _draw(sampling, logprobs)
+    done = 0
+    while done < max_tokens:
+        room = min(max_tokens - done, limit - cache[0].offset) - 1
+        drafts, q = _draft(model, cache, anchor, sampling, min(num_draft_tokens, room),
+                           draft_confidence)
+        rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
+        targets = _normalise(rows)
+        accepted, following = _accept(sampling, targets, drafts, q)
+        accepted = _cut_at_stop(anchor, accepted, stops)
+        trim_cache(cache, len(drafts) - len(accepted))
+        stats.proposed += len(drafts)
+        stats.accepted += len(accepted)
+        stats.cycles += 1
+        yield anchor, logprobs, False
+        done += 1
+        for i, token in enumerate(accepted):
+            if done == max_tokens or anchor in stops:
+                return
+            yield token, targets[i], True
+            done += 1
+        if anchor in stops or (accepted and accepted[-1] in stops):
+            return
+        logprobs = targets[len(accepted)]
+        anchor = following if following is not None else _draw(sampling, logprobs)
+
+
+def _normalise(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _draw(sampling: Sampling, logprobs: mx.array) -> int:
+    return sampling(logprobs[None])[0].item()
+
+
+def _draft(model, cache: list, anchor: int, sampling: Sampling, k: int,
+           confidence: Optional[float]) -> tuple:
+    """Up to `k` drafts after `anchor` and their proposal log-distributions [k, V]."""
+    if k <= 0:
+        return [], None
+    drafter = model.dspark
+    sample = None if sampling.temp == 0 else \
+        (lambda row: mx.random.categorical(sampling.logprobs(_normalise(row))))
+    tokens, logits, conf = drafter.draft(model.model.embed_tokens, model.lm_head.weight,
+                                         mx.array([anchor]), cache[model.cfg.num_hidden_layers:],
+                                         sample=sample)
+    if confidence is not None:
+        survival = mx.cumprod(mx.sigmoid(conf[0]))
+        k = min(k, int(mx.sum(survival >= confidence).item()))
+    q = None if sampling.temp == 0 else sampling.logprobs(_normalise(logits[0, :k]))
+    return tokens[0, 1:k + 1].tolist(), q
+
+
+def _accept(sampling: Sampling, targets: mx.array, drafts: list, q) -> tuple:
+    """(accepted drafts, the next token when a rejection drew it, else None)."""
+    if sampling.temp == 0:
+        best = mx.argmax(targets, axis=-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == best[n]:
+            n += 1
+        return drafts[:n], best[n]
+    p = mx.exp(sampling.logprobs(targets))                               # [k + 1, V]
+    for r, token in enumerate(drafts):
+        ratio = p[r, token] / mx.exp(q[r, token])
+        if mx.random.uniform().item() >= min(1.0, ratio.item()):
+            residual = mx.maximum(p[r] - mx.exp(q[r]), 0)
+            return drafts[:r], mx.random.categorical(mx.log(residual)).item()
+    return drafts, None
+
+
+def _cut_at_stop(anchor: int, accepted: list, stops: Sequence[int]) -> list:
+    """A stop token ends the reply: nothing after it (the anchor included) is committed."""
+    if anchor in stops:
+        return []
+    for i, token in enumerate(accepted):
+        if token in stops:
+            return accepted[:i + 1]
+    return accepted

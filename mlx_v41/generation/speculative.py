@@ -81,10 +81,13 @@ def check_draft_settings(model, sampler, logits_processors, num_draft_tokens: in
 def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Sampling,
                       max_tokens: int, stops: Sequence[int] = (), num_draft_tokens: int = 5,
                       draft_confidence: Optional[float] = None,
-                      stats: Optional[DraftStats] = None) -> Iterator[tuple]:
+                      stats: Optional[DraftStats] = None, drafter=None) -> Iterator[tuple]:
     """(token, logprobs, from_draft) continuing from the prompt's last `logits` [1, 1, V],
     like `generate_step`: every yielded token has been fed to the cache, and the cache holds
-    exactly the yielded tokens after the prompt (rejected and unyielded rows are trimmed)."""
+    exactly the yielded tokens after the prompt (rejected and unyielded rows are trimmed).
+    `drafter`: anything with `DSpark.draft`'s signature (default the model's; tests and the
+    benchmark pass an oracle)."""
+    drafter = model.dspark if drafter is None else drafter
     stats = stats if stats is not None else DraftStats()
     limit = model.cfg.max_position_embeddings
     logprobs = _normalise(logits[0, -1])
@@ -92,8 +95,8 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
     done = 0
     while done < max_tokens:
         room = min(max_tokens - done, limit - cache[0].offset) - 1
-        drafts, q = _draft(model, cache, anchor, sampling, min(num_draft_tokens, room),
-                           draft_confidence)
+        drafts, q = _draft(model, drafter, cache, anchor, sampling,
+                           min(num_draft_tokens, room), draft_confidence)
         rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
         targets = _normalise(rows)
         accepted, following = _accept(sampling, targets, drafts, q)
@@ -123,12 +126,11 @@ def _draw(sampling: Sampling, logprobs: mx.array) -> int:
     return sampling(logprobs[None])[0].item()
 
 
-def _draft(model, cache: list, anchor: int, sampling: Sampling, k: int,
+def _draft(model, drafter, cache: list, anchor: int, sampling: Sampling, k: int,
            confidence: Optional[float]) -> tuple:
     """Up to `k` drafts after `anchor` and their proposal log-distributions [k, V]."""
     if k <= 0:
         return [], None
-    drafter = model.dspark
     sample = None if sampling.temp == 0 else \
         (lambda row: mx.random.categorical(sampling.logprobs(_normalise(row))))
     tokens, logits, conf = drafter.draft(model.model.embed_tokens, model.lm_head.weight,

@@ -1,0 +1,209 @@
+"""DSpark speculative decoding: greedy output is plain greedy decoding's token for token, the
+cache after every cycle holds exactly what a plain run over the committed tokens holds, the
+rejection sampling is distributed as the target (a wrong acceptance rule fails the same
+check), and bad settings are refused."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_v41
+from mlx_v41.generation.api import generate_step, prefill
+from mlx_v41.generation.speculative import (DraftStats, Sampling, _accept, check_draft_settings,
+                                            speculative_steps)
+from conftest import golden_checkpoint
+
+# Exact equalities between a multi-row verify and single-row steps: the CPU backend's.
+pytestmark = pytest.mark.usefixtures("cpu")
+
+CHI2_DF3_P001 = 16.27  # chi-square bound, 3 degrees of freedom, p = 0.001
+
+
+@pytest.fixture(scope="module")
+def tiny(goldens):
+    model = mlx_v41.load_model(golden_checkpoint("tiny"), dspark=True)
+    return model, goldens("tiny").prompt[:50].tolist()
+
+
+_PLAIN = {}
+
+
+def plain_run(model, prompt, n):
+    """Plain greedy tokens and the cache after them (memoised per length)."""
+    if n not in _PLAIN:
+        cache = model.make_cache()
+        logits = prefill(model, prompt, cache)
+        tokens = [token for token, _ in generate_step(model, logits, cache, max_tokens=n)]
+        _PLAIN[n] = tokens, cache
+    return _PLAIN[n]
+
+
+def committed(model, cache):
+    """Every byte a later call can read: compressed rows, open groups, window rows, draft
+    rings, Engram ids."""
+    out = [c.offset for c in cache]
+    for c in cache:
+        if c.compressed is not None:
+            kv = c.compressed
+            out += [kv.kv[:, :kv.count], kv.index_k[:, :kv.count]]
+            out += list(kv.pending) if kv.pending else []
+        if c.offset > 1:
+            out.append(c.window.recent(c.offset))
+        if c.engram_ids is not None:
+            out.append(mx.array(c.engram_ids))
+    rings = cache[model.cfg.num_hidden_layers:]
+    return out + [model.dspark.ring_keys(r, r.offset) for r in rings]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        x == y if isinstance(x, int) else mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def speculate(model, prompt, n, **kwargs):
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    stats = DraftStats()
+    out = list(speculative_steps(model, logits, cache, sampling=kwargs.pop("sampling", Sampling()),
+                                 max_tokens=n, stats=stats, **kwargs))
+    return [t for t, _, _ in out], [d for _, _, d in out], cache, stats
+
+
+class Oracle:
+    """Proposes a known continuation: the first `right` drafts of each cycle are the true
+    next tokens, the rest wrong (so acceptance stops there)."""
+
+    def __init__(self, model, prompt, truth, right=5):
+        self.model, self.offset0, self.truth, self.right = model, len(prompt), truth, right
+
+    def draft(self, embed, lm_head, anchor, rings, sample=None):
+        position = rings[0].offset - self.offset0 + 1   # index in truth after the anchor
+        ahead = self.truth[position:position + 5] + [0] * 5
+        vocab = self.model.cfg.vocab_size
+        drafts = [t if i < self.right else (t + 1) % vocab for i, t in enumerate(ahead[:5])]
+        logits = mx.where(mx.arange(vocab)[None] == mx.array(drafts)[:, None], 0.0, -1e9)
+        tokens = mx.array([[anchor.item()] + drafts], dtype=mx.int32)
+        return tokens, logits[None], mx.full((1, 5), 10.0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_plain_greedy(tiny, k):
+    model, prompt = tiny
+    plain, plain_cache = plain_run(model, prompt, 64)
+    spec, _, cache, stats = speculate(model, prompt, 64, num_draft_tokens=k)
+    assert spec == plain
+    assert stats.proposed > 0 and stats.cycles == 64 - stats.accepted
+    assert same(committed(model, cache), committed(model, plain_cache))
+
+
+@pytest.mark.parametrize("right", [5, 2, 0])
+def test_accepted_drafts_and_rollback(tiny, right):
+    """An oracle drafter right about the first `right` drafts of each cycle: exactly those are
+    accepted, the output is still plain greedy, and the cache equals the plain run's."""
+    model, prompt = tiny
+    plain, plain_cache = plain_run(model, prompt, 40)
+    oracle = Oracle(model, prompt, plain, right)
+    spec, from_draft, cache, stats = speculate(model, prompt, 40, drafter=oracle)
+    assert spec == plain
+    cycles_expected = -(-40 // (right + 1))
+    assert stats.cycles == cycles_expected and stats.accepted == 40 - cycles_expected
+    assert sum(from_draft) == stats.accepted
+    assert same(committed(model, cache), committed(model, plain_cache))
+
+
+def test_every_cycle_leaves_the_plain_cache(tiny):
+    """After each cycle (checked at every yielded anchor) the cache equals a plain run's cache
+    over the same committed tokens."""
+    model, prompt = tiny
+    plain, _ = plain_run(model, prompt, 18)
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    oracle = Oracle(model, prompt, plain, 2)
+    for token, _, from_draft in speculative_steps(model, logits, cache, sampling=Sampling(),
+                                                  max_tokens=18, drafter=oracle):
+        if from_draft:
+            continue
+        reference = model.make_cache()
+        prefill(model, prompt + plain[:cache[0].offset - len(prompt)], reference)
+        assert same(committed(model, cache), committed(model, reference))
+
+
+def test_stop_token_inside_accepted_drafts_ends_the_reply(tiny):
+    model, prompt = tiny
+    plain, _ = plain_run(model, prompt, 20)
+    stop = plain[7]
+    first = plain.index(stop)
+    spec, _, cache, _ = speculate(model, prompt, 20, drafter=Oracle(model, prompt, plain),
+                                  stops=[stop])
+    assert spec == plain[:first + 1]
+    assert cache[0].offset == len(prompt) + first + 1
+
+
+def test_sampling_commits_what_a_plain_forward_holds(tiny):
+    """Temperature 1: whatever is committed, the cache equals a plain prefill of it."""
+    model, prompt = tiny
+    mx.random.seed(3)
+    spec, _, cache, stats = speculate(model, prompt, 24, sampling=Sampling(temp=1.0, top_p=0.9))
+    reference = model.make_cache()
+    prefill(model, prompt + spec, reference)
+    assert len(spec) == 24 and stats.cycles > 0
+    assert same(committed(model, cache), committed(model, reference))
+
+
+def _wrong_accept(sampling, targets, drafts, q):
+    """A deliberately wrong rule (accept whenever p >= q, else draw from p): the test of the
+    statistical test."""
+    p = mx.exp(sampling.logprobs(targets))
+    for r, token in enumerate(drafts):
+        if p[r, token].item() < mx.exp(q[r, token]).item():
+            return drafts[:r], mx.random.categorical(mx.log(p[r])).item()
+    return drafts, None
+
+
+def _emitted(accept, p, q, trials):
+    """First and second emitted tokens of `trials` verify cycles on fixed distributions."""
+    sampling = Sampling(temp=1.0)
+    targets, proposal = mx.log(mx.array(p)), mx.log(mx.array(q))
+    firsts, seconds = [], []
+    for _ in range(trials):
+        drafts = [mx.random.categorical(proposal[r]).item() for r in range(2)]
+        accepted, following = accept(sampling, targets, drafts, proposal)
+        emitted = accepted + ([following] if following is not None else [])
+        firsts.append(emitted[0])
+        if accepted:
+            seconds.append(emitted[1])
+    return np.array(firsts), np.array(seconds)
+
+
+def _chi2(samples, p) -> float:
+    counts = np.bincount(samples, minlength=len(p))
+    expected = len(samples) * np.asarray(p)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_is_distributed_as_the_target():
+    """First emitted token ~ p_0, and after an accepted first draft the second ~ p_1, within
+    a chi-square bound (p = 0.001) over 3000 seeded cycles; the wrong rule fails it."""
+    p = [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]]
+    q = [[0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]]
+    mx.random.seed(0)
+    firsts, seconds = _emitted(_accept, p, q, 3000)
+    assert _chi2(firsts, p[0]) < CHI2_DF3_P001
+    assert _chi2(seconds, p[1]) < CHI2_DF3_P001
+    mx.random.seed(0)
+    firsts, seconds = _emitted(_wrong_accept, p, q, 3000)
+    assert max(_chi2(firsts, p[0]), _chi2(seconds, p[1])) > 5 * CHI2_DF3_P001
+
+
+def test_bad_settings_are_refused(tiny):
+    model, _ = tiny
+    for k in (0, 6, 2.5):
+        with pytest.raises(ValueError, match="num_draft_tokens must be an int in 1..5"):
+            check_draft_settings(model, None, None, k)
+    with pytest.raises(ValueError, match="mlx_v41.Sampling"):
+        check_draft_settings(model, lambda x: x, None, 5)
+    with pytest.raises(ValueError, match="logits processors"):
+        check_draft_settings(model, None, [lambda h, x: x], 5)
+    plain = mlx_v41.load_model(golden_checkpoint("tiny"))
+    with pytest.raises(ValueError, match="dspark=True"):
+        check_draft_settings(plain, None, None, 5)

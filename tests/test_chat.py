@@ -20,7 +20,7 @@ import pytest
 import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.cache.layer import CacheError
-from mlx_v41.chat.session import ChatSession, assistant_message
+from mlx_v41.chat.session import ChatSession, assistant_message, format_stats
 from mlx_v41.chat.tokenizer import apply_chat_template
 from mlx_v41.cli.chat import main, repl
 from mlx_v41.generation.api import PromptTooLongError, stream_generate
@@ -182,6 +182,74 @@ def test_prompt_too_long_leaves_the_session(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "error: the prompt has" in err and "context is 40" in err
     assert "prompt: " in out and len(session.messages) == 2
+
+
+@pytest.fixture(scope="module")
+def drafting():
+    """The tiny golden with its DSpark drafter."""
+    return mlx_v41.load(GOLDEN, dspark=True)
+
+
+def two_turns(session) -> list:
+    return [reply(session, "Hello"), reply(session, "And then?")]
+
+
+def test_dspark_session_equals_plain_greedy(drafting):
+    """Speculative decoding gives the plain session's turns at temp 0; in thinking mode the
+    second turn rolls the cache back (the draft rings with it) before it continues."""
+    model, tokenizer = drafting
+    plain = ChatSession(model, tokenizer, thinking=True, max_tokens=8)
+    drafted = ChatSession(model, tokenizer, thinking=True, max_tokens=8, draft="dspark",
+                          num_draft_tokens=3, draft_confidence=0.3)
+    assert two_turns(drafted) == two_turns(plain)
+    assert drafted.stats.source == plain.stats.source == "reply"
+    assert drafted.stats.reused_tokens == plain.stats.reused_tokens > 0
+    assert plain.stats.drafts is None and drafted.stats.drafts.cycles > 0
+    fresh = list(stream_generate(model, tokenizer, drafted.snapshot.tokens, max_tokens=8,
+                                 draft="dspark", num_draft_tokens=3, draft_confidence=0.3))
+    assert drafted.stats.drafts == fresh[-1].draft_stats  # the reused rings draft as new ones
+    assert re.search(r"^drafts: \d+ accepted of \d+ proposed, [\d.]+ tokens per verify cycle$",
+                     format_stats(drafted), re.M)
+    assert "dspark: on" in format_stats(drafted) and "drafts: " not in format_stats(plain)
+
+
+def test_dspark_command(drafting, loaded, monkeypatch, capsys):
+    model, tokenizer = drafting
+    session = ChatSession(model, tokenizer, thinking=False, max_tokens=3)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(
+        "/dspark on\nHello\n/stats\n/dspark off\nAgain\n/stats\n/dspark\n/dspark maybe\n"))
+    assert repl(session, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("[dspark")] == \
+        ["[dspark on]", "[dspark off]", "[dspark on]"]
+    first, second = out.split("dspark: on")[0], out.split("[dspark off]")[1]
+    assert "drafts: " in first and "drafts: " not in second and "dspark: off" in second
+    assert session.draft == "dspark" and len(session.messages) == 4
+    assert err.splitlines() == ["error: unknown command '/dspark maybe' (/help lists them)"]
+    plain = ChatSession(*loaded, thinking=False, max_tokens=3)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/dspark on\nHello\n"))
+    assert repl(plain, interactive=False) == 0
+    out, err = capsys.readouterr()
+    assert "--dspark" in one_line(err) and err.startswith("error: ") and "[dspark" not in out
+    assert plain.draft is None and len(plain.messages) == 2
+
+
+def test_chat_cli_dspark_flags(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/stats\n"))
+    assert main(["--model", str(GOLDEN), "-m", "3", "--dspark", "--num-draft-tokens", "2",
+                 "--temp", "0.7", "--top-k", "5"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^drafts: \d+ accepted of \d+ proposed", out, re.M)
+    for flags in (["--num-draft-tokens", "6"], ["--draft-confidence", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--model", str(GOLDEN), *flags])
+        assert "error: argument" in one_line(capsys.readouterr().err)
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
 
 
 def test_bad_model_is_one_line(capsys, tmp_path):

@@ -297,17 +297,58 @@ def test_cli_prompt_options(capsys, monkeypatch, loaded, cached_load):
     assert code == 0 and f"Prompt: {len(tokenizer.encode_prompt('raw text'))} tokens" in out
 
 
-@pytest.mark.parametrize("name", ["prompt.safetensors", "p.cache"])
-def test_cli_prompt_cache_file(capsys, tmp_path, cached_load, name):
+# With a confidence threshold the drafts proposed per cycle follow the drafter's confidence,
+# which reads the draft rings: equal Drafts lines mean the reused file restored them.
+@pytest.mark.parametrize("name, flags", [
+    ("prompt.safetensors", ()), ("p.cache", ()),
+    ("dspark.cache", ("--dspark", "-m", "8", "--draft-confidence", "0.3"))])
+def test_cli_prompt_cache_file(capsys, tmp_path, cached_load, name, flags):
     path = tmp_path / name
-    first = run_cli(capsys, "-p", "Hello there", "-m", "2", "--prompt-cache-file", str(path))
+    argv = ("-p", "Hello there", "-m", "2", *flags, "--prompt-cache-file", str(path))
+    first = run_cli(capsys, *argv)
     assert first[0] == 0 and path.is_file() and "prompt cache" not in first[2]
-    second = run_cli(capsys, "-p", "Hello there", "-m", "2", "--prompt-cache-file", str(path))
+    second = run_cli(capsys, *argv)
     n = int(first[1].split("Prompt: ")[1].split()[0])
     assert f"prompt cache: reusing {n - 1} of {n} prompt tokens" in second[2]
     assert "Prompt: 1 tokens" in second[1]
     text = lambda out: out.split(RULE)[1]  # noqa: E731
     assert text(second[1]) == text(first[1])
+    assert drafts_lines(second[1]) == drafts_lines(first[1])
+    assert len(drafts_lines(first[1])) == bool(flags)
+
+
+def drafts_lines(out: str) -> list:
+    return [line for line in out.splitlines() if line.startswith("Drafts: ")]
+
+
+def test_cli_dspark_equals_plain_greedy(capsys, cached_load):
+    """Speculative decoding at temp 0 prints plain greedy decoding's text, for every draft
+    length and with a confidence threshold, and adds the Drafts line to the stats."""
+    argv = ("-p", "Hello there", "-m", "24", "--no-thinking")
+    code, plain, _ = run_cli(capsys, *argv)
+    assert code == 0 and "Drafts: " not in plain
+    for flags in ((), ("--num-draft-tokens", "2", "--draft-confidence", "0.5")):
+        code, drafted, _ = run_cli(capsys, *argv, "--dspark", *flags)
+        assert code == 0 and drafted.split(RULE)[1] == plain.split(RULE)[1]
+        line = drafted.splitlines()[-2]
+        assert re.fullmatch(r"Drafts: \d+ accepted of \d+ proposed, [\d.]+ tokens per verify "
+                            r"cycle", line), line
+
+
+def test_cli_dspark_needs_the_drafters_tensors(capsys, tmp_path):
+    import json
+
+    folder = writable_copy(GOLDEN, tmp_path / "hf")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if not k.startswith("mtp.")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["--model", str(folder), "-m", "1"]) == 0
+    capsys.readouterr()
+    assert main(["--model", str(folder), "-m", "1", "--dspark"]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and str(folder) in line
+    assert "mtp." in line or "dspark." in line  # the drafter's tensors or parameters
 
 
 def test_cli_bad_input(capsys, tmp_path, short_context):
@@ -320,7 +361,9 @@ def test_cli_bad_input(capsys, tmp_path, short_context):
     assert main(["--model", str(tmp_path)]) == 1
     assert "model.safetensors.index.json" in one_line(capsys.readouterr().err)
     for flags in (["--prefill-mode", "fast"], ["--reasoning-effort", "medium"], ["-m", "0"],
-                  ["--temp", "hot"], ["--top-p", "2"]):
+                  ["--temp", "hot"], ["--top-p", "2"], ["--num-draft-tokens", "0"],
+                  ["--num-draft-tokens", "6"], ["--num-draft-tokens", "2.5"],
+                  ["--draft-confidence", "0"], ["--draft-confidence", "1.5"]):
         with pytest.raises(SystemExit) as exit_info:
             main(["--model", str(GOLDEN), *flags])
         assert exit_info.value.code == 2 and "error: argument" in one_line(capsys.readouterr().err)

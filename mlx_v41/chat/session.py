@@ -20,6 +20,7 @@ from ..generation.api import (DEFAULT_PREFILL_STEP_SIZE, GenerationResponse, che
 from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
 from ..cache.persistence import load_prompt_cache
 from ..generation.api import PrefillProgress
+from ..generation.speculative import MAX_DRAFT_TOKENS, DraftStats, check_draft_settings
 
 
 DEFAULT_MAX_TOKENS = 256  # mlx-lm chat's default
@@ -45,6 +46,7 @@ class TurnStats:
     generation_tps: float = 0.0
     peak_memory: float = 0.0
     finish_reason: Optional[str] = None
+    drafts: Optional[DraftStats] = None  # with speculative decoding: the reply's drafts
 
 
 
@@ -83,19 +85,26 @@ class ChatSession:
     """A conversation with a model and the prompt caches that make its turns cheap.
 
     `live` holds the cache after the last reply (prompt + reply tokens), `snapshot` the cache at
-    the end of the last prompt; both are candidates for the next turn's prefix.
+    the end of the last prompt; both are candidates for the next turn's prefix. `draft`,
+    `num_draft_tokens` and `draft_confidence` are `stream_generate`'s (draft="dspark" decodes
+    speculatively: the model loaded with dspark=True, `sampler` None or `mlx_v41.Sampling`);
+    they may change between turns.
     """
 
     def __init__(self, model, tokenizer, *, system_prompt: Optional[str] = None,
                  thinking: bool = True, reasoning_effort=None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
                  prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
-                 show_progress: bool = False):
+                 show_progress: bool = False, draft: Optional[str] = None,
+                 num_draft_tokens: int = MAX_DRAFT_TOKENS,
+                 draft_confidence: Optional[float] = None):
         self.model, self.tokenizer = model, tokenizer
         self.system_prompt, self.thinking = system_prompt, thinking
         self.reasoning_effort, self.max_tokens = reasoning_effort, max_tokens
         self.sampler, self.prefill_step_size = sampler, prefill_step_size
         self.show_progress = show_progress  # a progress line on stderr for long prefills
+        self.draft, self.num_draft_tokens = draft, num_draft_tokens
+        self.draft_confidence = draft_confidence
         self.reset()
 
     def reset(self) -> None:
@@ -117,6 +126,8 @@ class ChatSession:
     def reply(self, text: str) -> Iterator[GenerationResponse]:
         """Add a user message and stream the reply. If the caller stops early (Ctrl-C), call
         `interrupt()` so the transcript and caches stay consistent."""
+        if self.draft:  # refused before the turn starts, so the session stays as it was
+            check_draft_settings(self.model, self.sampler, None, self.num_draft_tokens)
         self.messages.append({"role": "user", "content": text})
         self._reply = None
         try:
@@ -143,7 +154,9 @@ class ChatSession:
         for response in stream_decode(self.model, self.tokenizer, logits, state.cache,
                                       prompt_tokens=len(todo), prompt_seconds=seconds,
                                       max_tokens=self.max_tokens, sampler=self.sampler,
-                                      history=todo):
+                                      history=todo, draft=self.draft,
+                                      num_draft_tokens=self.num_draft_tokens,
+                                      draft_confidence=self.draft_confidence):
             reply.text += response.text
             reply.tokens.append(response.token)
             reply.last = response
@@ -160,6 +173,7 @@ class ChatSession:
             self.stats.generation_tokens = reply.last.generation_tokens
             self.stats.generation_tps = reply.last.generation_tps
             self.stats.peak_memory = reply.last.peak_memory
+            self.stats.drafts = reply.last.draft_stats
         self.stats.finish_reason = reason
 
     def interrupt(self) -> None:
@@ -206,11 +220,15 @@ def format_stats(session: ChatSession) -> str:
                   f"reply: {s.generation_tokens} tokens at {s.generation_tps:.1f} tokens/s "
                   f"({s.finish_reason})",
                   f"peak memory: {s.peak_memory:.3f} GB"]
+        if s.drafts is not None:
+            lines.insert(2, f"drafts: {s.drafts.accepted} accepted of {s.drafts.proposed} "
+                            f"proposed, {s.drafts.tokens_per_cycle:.2f} tokens per verify cycle")
     state = session.live or session.snapshot
     limit = session.model.args.text_config.max_position_embeddings
     if state is not None:
         size = cache_bytes(state.cache)["total"]
         lines.append(f"cache: {len(state.tokens)} of {limit} positions, {size / 2**20:.2f} MiB")
-    lines.append(f"thinking: {'on' if session.thinking else 'off'}; "
+    dspark = f"dspark: {'on' if session.draft else 'off'}; " if "dspark" in session.model else ""
+    lines.append(f"thinking: {'on' if session.thinking else 'off'}; {dspark}"
                  f"{len(session.messages)} messages")
     return "\n".join(lines)

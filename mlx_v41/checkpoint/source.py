@@ -45,7 +45,7 @@ def _download(repo: str) -> Path:
 
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
-         ced_rollback: Optional[int] = None):
+         ced_rollback: Optional[int] = None, dspark: bool = False):
     """Load a model and its tokenizer.
 
     Args:
@@ -54,6 +54,8 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
         prefill_mode: "ced" (exact, default), "full" or "ced_replay" (APPROXIMATE).
         compat_reference_index_k_bug: reproduce the reference's index-key defect (parity only).
         ced_rollback: tokens a trim can undo right after a CED prefill (see load_model).
+        dspark: also load the DSpark drafter (the checkpoint's `mtp.*` tensors), for
+            `stream_generate(..., draft="dspark")`.
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:
@@ -67,5 +69,5 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     args = ModelArgs.from_file(folder / "config.json")
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                       prefill_mode=prefill_mode, ced_rollback=ced_rollback)
+                       prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
     return model, tokenizer

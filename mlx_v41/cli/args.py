@@ -9,6 +9,7 @@ import argparse
 
 from ..model.model import PREFILL_MODES
 from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
+from ..generation.speculative import MAX_DRAFT_TOKENS, Sampling
 
 
 DEFAULT_PROMPT = "hello"
@@ -63,6 +64,17 @@ def _number(kind, low=None, high=None, what=""):
 
 
 
+def _confidence(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in (0, 1]")
+    return value
+
+
+
 def _effort(text):
     from ..chat.format import resolve_reasoning_effort
 
@@ -101,6 +113,16 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
         help="thinking mode (the reply reasons before answering; default) or chat mode")
     add("--reasoning-effort", type=_effort, default=None,
         help="thinking mode only: low (50), high (75, default), max (100) or an integer 1-100")
+    add("--dspark", action="store_true",
+        help="load the checkpoint's DSpark drafter (mtp.* tensors) and decode speculatively "
+             "(same output as plain decoding: greedy exactly, sampling in distribution)")
+    add("--num-draft-tokens", type=_number(int, 1, MAX_DRAFT_TOKENS,
+                                           what=f"an integer in 1..{MAX_DRAFT_TOKENS}"),
+        default=MAX_DRAFT_TOKENS,
+        help=f"with --dspark: drafts verified per cycle (default {MAX_DRAFT_TOKENS})")
+    add("--draft-confidence", type=_confidence, default=None,
+        help="with --dspark: verify only the drafts whose running product of the drafter's "
+             "confidence stays >= this, in (0, 1] (default: all --num-draft-tokens)")
 
 
 
@@ -108,3 +130,14 @@ def make_sampler_from(args):
     from mlx_lm.sample_utils import make_sampler
 
     return make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+
+
+
+def decode_settings(args) -> dict:
+    """The sampler and draft keywords of `stream_decode` (and `ChatSession`) for the flags.
+    Speculative sampling is exact only with known settings, hence `Sampling` with --dspark."""
+    if not args.dspark:
+        return {"sampler": make_sampler_from(args)}
+    return {"sampler": Sampling(args.temp, args.top_p, args.min_p, args.top_k),
+            "draft": "dspark", "num_draft_tokens": args.num_draft_tokens,
+            "draft_confidence": args.draft_confidence}

@@ -2,6 +2,7 @@
 
     mlx_v41.chat --model demo
     mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --no-thinking
+    mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --dspark --num-draft-tokens 3
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .args import ArgumentParser, add_model_arguments, make_sampler_from
+from .args import ArgumentParser, add_model_arguments, decode_settings
 from ..checkpoint.source import load
 from ..chat.session import DEFAULT_MAX_TOKENS, ChatSession, format_stats
 
@@ -35,6 +36,7 @@ HELP = """commands:
   /load PATH            load a saved session
   /stats                statistics of the last turn
   /thinking [on|off]    toggle thinking mode
+  /dspark [on|off]      toggle DSpark speculative decoding (needs --dspark)
   /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
 
 
@@ -63,9 +65,22 @@ def run_command(session: ChatSession, line: str, out) -> bool:
     elif name == "/thinking" and arg in ("", "on", "off"):
         session.thinking = {"on": True, "off": False}.get(arg, not session.thinking)
         print(f"[thinking {'on' if session.thinking else 'off'}]", file=out)
+    elif name == "/dspark" and arg in ("", "on", "off"):
+        switch_dspark(session, arg, out)
     else:
         print(f"error: unknown command {line!r} (/help lists them)", file=sys.stderr)
     return True
+
+
+
+def switch_dspark(session: ChatSession, arg: str, out) -> None:
+    """/dspark [on|off]: speculative decoding for the next turns (a model with the drafter)."""
+    is_on = {"on": True, "off": False}.get(arg, session.draft is None)
+    if is_on and "dspark" not in session.model:
+        raise ValueError("/dspark needs the DSpark drafter: start mlx_v41.chat with --dspark "
+                         "(a checkpoint with the mtp.* tensors)")
+    session.draft = "dspark" if is_on else None
+    print(f"[dspark {'on' if is_on else 'off'}]", file=out)
 
 
 
@@ -155,12 +170,12 @@ def main(argv=None) -> int:
         mx.random.seed(args.seed)
         if args.model == "demo":
             print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-        model, tokenizer = load(args.model, prefill_mode=args.prefill_mode)
+        model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt,
                               thinking=args.thinking, reasoning_effort=args.reasoning_effort,
-                              max_tokens=args.max_tokens, sampler=make_sampler_from(args),
+                              max_tokens=args.max_tokens,
                               prefill_step_size=args.prefill_step_size,
-                              show_progress=True)
+                              show_progress=True, **decode_settings(args))
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130

@@ -2,6 +2,7 @@
 
     mlx_v41.generate --model demo -p "Hello"
     mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash -p "Why is the sky blue?" -m 512
+    mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash -p "Hello" --dspark
 
 Prompts are rendered with the V4.1 chat format; generation stops on EOS and the end-of-turn
 tokens.
@@ -21,7 +22,7 @@ from ..cache.layer import CacheError
 from ..cache.persistence import load_prompt_cache
 from ..checkpoint.source import DEMO, load
 from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
-                   make_sampler_from)
+                   decode_settings)
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
 from ..generation.api import PrefillProgress
@@ -37,9 +38,9 @@ def setup_arg_parser() -> ArgumentParser:
                         help="use the prompt text as is (BOS added when missing)")
     parser.add_argument("--prompt-cache-file", default=None,
                         help="prompt cache file (mlx_v41 format, any name, e.g. a saved chat "
-                             "session made with the same model and --prefill-mode): "
-                             "its cached prefix of this prompt is reused; written with this "
-                             "prompt when the file does not exist")
+                             "session made with the same model, --prefill-mode and "
+                             "--dspark): its cached prefix of this prompt is reused; written "
+                             "with this prompt when the file does not exist")
     return parser
 
 
@@ -72,7 +73,7 @@ def run(args) -> int:
         mx.random.seed(args.seed)
     if args.model == DEMO:
         print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode)
+    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
     with wired_limit(model):
         response = _reply(args, model, tokenizer)
     print("=" * 10)
@@ -99,7 +100,7 @@ def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
     response = None
     for response in stream_decode(model, tokenizer, logits, state.cache, prompt_tokens=len(todo),
                                   prompt_seconds=seconds, max_tokens=args.max_tokens,
-                                  sampler=make_sampler_from(args), history=todo):
+                                  history=todo, **decode_settings(args)):
         print(response.text, end="", flush=True)
     print()
     return response

@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from mlx_v41.checkpoint.converted import MANIFEST
 from mlx_v41.model.engram_hash import EngramHasher, build_token_map
-from mlx_v41.model.model import Model
 
 from .plan import Plan, make_plan
 from .recipes import make_recipe
@@ -46,8 +45,9 @@ def convert(hf_path, mlx_path="mlx_model", *, quantize: bool = False,
         quant_predicate: a mixed preset ("mixed_3_8": routed experts at 3 bits in q_mode,
             the rest at the official 8-bit FP8); implies quantize.
         dtype: storage dtype of the BF16 float tensors ("bfloat16", "float16", "float32").
-        drop_vision, drop_dspark: leave out the vision tower / the DSpark drafter (otherwise
-            kept verbatim in extras/).
+        drop_vision, drop_dspark: leave out the vision tower (otherwise kept verbatim in
+            extras/) / the DSpark drafter (otherwise converted with the recipe, like the
+            backbone, into dspark-*.safetensors).
         shard_size: bytes per output file.
         revision: Hub revision (repo ids only).
         dry_run: check and plan only; print the sizes, write nothing.
@@ -66,7 +66,7 @@ def convert(hf_path, mlx_path="mlx_model", *, quantize: bool = False,
     keep = {g for g, dropped in (("vision", drop_vision), ("dspark", drop_dspark)) if not dropped}
     source = Source(resolve(str(hf_path), revision, keep), keep)
     token_map = _token_map(source)
-    recipe = make_recipe(Model(source.args), quantize, q_bits, q_group_size, q_mode,
+    recipe = make_recipe(source.skeleton(), quantize, q_bits, q_group_size, q_mode,
                          quant_predicate, dtype)
     plan = make_plan(source, recipe, shard_size)
     for line in _summary(source, plan, out):
@@ -167,7 +167,7 @@ def _small_files(source: Source, plan: Plan, token_map):
     config["quantization"] = plan.quantization
     config["quantization_config"] = plan.quantization  # as mlx-lm writes it
     yield "config.json", json.dumps(config, indent=2).encode()
-    weights = [f for f in plan.files if "/" not in f.name]
+    weights = plan.group("model-") + plan.group("dspark-")
     index = {"metadata": {"total_size": sum(t.nbytes for f in weights for t in f.tensors),
                           "format": "mlx"},
              "weight_map": {t.name: f.name for f in weights for t in f.tensors}}
@@ -190,7 +190,8 @@ def _manifest_fields(source: Source, plan: Plan, token_map, hf_path, revision) -
         "source": {"path": hf_path, "revision": revision, "folder": str(source.folder)},
         "recipe": {**plan.recipe.describe(), "quantization": plan.quantization},
         "sizes": plan.sizes(),
-        "weights": [f.name for f in plan.files if "/" not in f.name],
+        "weights": [f.name for f in plan.group("model-")],
+        "dspark": [f.name for f in plan.group("dspark-")],  # empty: the drafter is absent
         "engram": {"tables": plan.tables,
                    "token_map": TOKEN_MAP if token_map is not None else None},
         "extras": {g: [f.name for f in plan.group(f"extras/{g}")]
@@ -210,9 +211,11 @@ def _summary(source: Source, plan: Plan, out: Path) -> list:
         lines.append(f"  {len(recipe.kept_official)} modules kept as published: their input "
                      f"width is not a multiple of the group size (e.g. {recipe.kept_official[0]})")
     extras = ", ".join(sorted(set(source.extras.values()))) or "none"
+    drafter = _human(sizes["dspark"]) if source.has_dspark else "left out"
     lines.append(f"output: {len(plan.files)} files, {_human(sizes['total'])} = weights "
-                 f"{_human(sizes['weights'])} + Engram tables {_human(sizes['engram_tables'])}"
-                 f" + extras ({extras}) {_human(sizes['extras'])}")
+                 f"{_human(sizes['weights'])} + DSpark drafter {drafter} + Engram tables "
+                 f"{_human(sizes['engram_tables'])} + extras ({extras}) "
+                 f"{_human(sizes['extras'])}")
     return lines
 
 
@@ -226,6 +229,9 @@ def _readme(source: Source, plan: Plan) -> str:
         "```", "",
         f"* weights: {_human(sizes['weights'])} in `model-*.safetensors` (layouts in "
         "config.json `quantization`, mlx-lm's form)",
+        f"* DSpark drafter: {_human(sizes['dspark'])} in `dspark-*.safetensors` (same "
+        "recipe; `load_model(path, dspark=True)`)" if source.has_dspark else
+        "* DSpark drafter: left out (`load_model(path, dspark=True)` refuses this folder)",
         f"* Engram tables: {_human(sizes['engram_tables'])} in `engram/` (packed FP8 rows + "
         "E8M0 scales, memory-mapped at load), token map `engram/token_map.npy`",
         f"* extras: {_human(sizes['extras'])} in `extras/` (published tensors the text model "

@@ -4,10 +4,12 @@ before anything is written, so interrupted runs can match finished files by name
 Output streams (one folder each):
 * `model-*.safetensors`: the text model's parameters under our module names, in the recipe's
   layout; work runs target by target (one module's weight + scales, or one plain tensor).
+* `dspark-*.safetensors`: the DSpark drafter's parameters (`dspark.*`), converted exactly like
+  the backbone's (same recipe), in files of their own that a load without the drafter skips.
 * `engram/<module>-*.safetensors`: each Engram table as packed rows (see ENGRAM_ROWS), split by
   row ranges into files of the shard size; memory-mapped at load.
-* `extras/<group>-*.safetensors`: the DSpark / vision tensors the text model does not use yet,
-  byte for byte under their published names and dtypes (unless dropped).
+* `extras/<group>-*.safetensors`: the vision tensors the text model does not use yet, byte for
+  byte under their published names and dtypes (unless dropped).
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_v41.model.layers import configure_quantization
-from mlx_v41.checkpoint.loader import check_table, convert_target, engram_tables
-from mlx_v41.model.model import Model
+from mlx_v41.model.layers import configure_quantization, is_quantized
+from mlx_v41.checkpoint.loader import check_table, convert_target, engram_tables, missing_error
 from mlx_v41.checkpoint.safetensors_io import STORAGE, CheckpointError
 
 from .recipes import DTYPES, Recipe, requantize
 from .source import HeaderShards, RowReader, Source, StreamShards, read_blocks
 
-FORMAT = "mlx_v41.convert/1"
+FORMAT = "mlx_v41.convert/2"  # 2: the drafter in dspark-* files (1: verbatim in extras/)
 # Packed Engram rows, row r of a file = table row first_row + r, head_dim + head_dim/32 bytes:
 # head_dim E4M3 codes, then one E8M0 scale per 32 codes. One row is one contiguous span, so a
 # lookup touches one page (two when the row straddles a page boundary).
@@ -37,6 +38,7 @@ ENGRAM_ROWS = "rows"
 ROW_GROUP = 32
 ROWS_PER_READ = 1 << 18  # table rows copied per read (~70 MB at the real head_dim)
 E8M0_NAN = 255
+DSPARK = "dspark."  # module path of the drafter's parameters
 DTYPE_BYTES = {**{name: size for name, (_, size) in STORAGE.items()}, "U32": 4}
 SAFETENSORS_DTYPES = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32",
                       mx.uint32: "U32", mx.uint8: "U8", mx.int32: "I32"}
@@ -191,11 +193,10 @@ class Plan:
         return [f for f in self.files if f.name.startswith(prefix)]
 
     def sizes(self) -> dict:
-        weights = sum(f.size for f in self.files if "/" not in f.name)
-        tables = sum(f.size for f in self.group("engram/"))
-        extras = sum(f.size for f in self.group("extras/"))
-        return {"weights": weights, "engram_tables": tables, "extras": extras,
-                "total": weights + tables + extras}
+        sizes = {key: sum(f.size for f in self.group(prefix)) for key, prefix in
+                 (("weights", "model-"), ("dspark", "dspark-"), ("engram_tables", "engram/"),
+                  ("extras", "extras/"))}
+        return {**sizes, "total": sum(sizes.values())}
 
 
 # ---------------------------------------------------------------- planning
@@ -203,10 +204,14 @@ class Plan:
 def make_plan(source: Source, recipe: Recipe, shard_size: int) -> Plan:
     """Check every kept tensor against the config (the loader's checks, on headers only) and
     lay out the output files; raises CheckpointError naming the first bad tensor."""
-    official = Model(source.args)          # lazy: no parameter is allocated
+    official = source.skeleton()
     params = dict(tree_flatten(official.parameters()))
     tables = engram_tables(official)
-    output = Model(source.args)
+    output = source.skeleton()
+    quantized = {path for path, m in output.named_modules() if is_quantized(m)}
+    if set(recipe.layouts) != quantized:
+        raise ValueError("the recipe was made for another model: build it from "
+                         "source.skeleton()")
     configure_quantization(output, recipe.quantization())
     out_params = dict(tree_flatten(output.parameters()))
     header = HeaderShards(source)
@@ -225,10 +230,8 @@ def make_plan(source: Source, recipe: Recipe, shard_size: int) -> Plan:
         items.append(_target_item(source, recipe, target, entries, params, arrays, out_params))
     missing = sorted(set(params) - filled) + sorted(set(tables) - set(table_items))
     if missing:
-        raise CheckpointError(f"{source.folder}: no checkpoint tensor for parameter "
-                              f"{missing[0]} ({len(missing)} missing)")
-    items.sort(key=lambda item: item.order)
-    files = _pack(items, "model", shard_size)
+        raise missing_error(source.folder, missing)
+    files = _weight_files(items, shard_size)
     table_files = {}
     for target, chunks in sorted(table_items.items()):
         table_files[target] = _pack(chunks, f"engram/{target}", 0)
@@ -256,6 +259,14 @@ def _target_item(source, recipe, target, entries, params, arrays, out_params) ->
     requant = (recipe.official[target], recipe.layouts[target]) \
         if recipe.is_requantized(target) else None
     return TargetItem(target, entries, params, tensors, requant=requant, order=order)
+
+
+def _weight_files(items: list, shard_size: int) -> list:
+    """The backbone's targets into model-*, the drafter's into dspark-*, in input order."""
+    items = sorted(items, key=lambda item: item.order)
+    backbone = [item for item in items if not item.target.startswith(DSPARK)]
+    drafter = [item for item in items if item.target.startswith(DSPARK)]
+    return _pack(backbone, "model", shard_size) + _pack(drafter, "dspark", shard_size)
 
 
 def _table_items(source, target, base, table, shard_size) -> list:

@@ -8,6 +8,7 @@ of the float tensors.
 * presets (`--quant-predicate mixed_E_8`): routed experts requantized to E bits, every other
   quantized module (attention, shared expert, indexer, Engram projection) kept at the official
   8-bit FP8.
+The DSpark drafter's modules (`dspark.*`) follow the same rules as the backbone's.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_v41.model.config import ModelArgs
+from mlx_v41.model.model import Model
 from mlx_v41.checkpoint.loader import DROPS, _Shards, data_start, plan, read_index
 from mlx_v41.checkpoint.safetensors_io import STORAGE, CheckpointError, SafetensorsFile
 
@@ -78,7 +79,10 @@ class Source:
         self.args = ModelArgs.from_file(self.folder / "config.json")
         self.config = json.loads((self.folder / "config.json").read_text())
         self.index = read_index(self.folder)
-        self.used, dropped = plan(self.index)
+        # The drafter is converted like the backbone when kept and present (else left out).
+        self.has_dspark = "dspark" in keep_groups and any(
+            drop_group(n) == "dspark" for n in self.index)
+        self.used, dropped = plan(self.index, dspark=self.has_dspark)
         self.extras = {n: drop_group(n) for n in dropped if drop_group(n) in keep_groups}
         self.dropped = {n: why if drop_group(n) is None else f"{why}; left out by "
                         f"--drop-{drop_group(n)}"
@@ -111,6 +115,10 @@ class Source:
         total = (json.loads(path.read_text()).get("metadata") or {}).get("total_size")
         return int(total) if isinstance(total, (int, float, str)) and str(total).isdigit() \
             else None
+
+    def skeleton(self) -> Model:
+        """The model this input fills (lazy: no parameter is allocated)."""
+        return Model(self.args, dspark=self.has_dspark)
 
     def file(self, name: str) -> SafetensorsFile:
         return self.files[self.index[name]]

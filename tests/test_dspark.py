@@ -207,3 +207,24 @@ def test_bad_settings_are_refused(tiny):
     plain = mlx_v41.load_model(golden_checkpoint("tiny"))
     with pytest.raises(ValueError, match="dspark=True"):
         check_draft_settings(plain, None, None, 5)
+
+
+@pytest.mark.parametrize("rollback", [None, 0, 5])
+def test_ced_prefill_fills_the_draft_rings(goldens, rollback):
+    """The CED halo covers the rows the draft rings need: after an exact CED prefill the rings
+    equal a full prefill's, and after the largest trim the cache allows they equal a full
+    prefill of the shorter prompt."""
+    prompt = goldens("tiny").prompt[:150].tolist()
+    ced = mlx_v41.load_model(golden_checkpoint("tiny"), dspark=True, ced_rollback=rollback)
+    full = mlx_v41.load_model(golden_checkpoint("tiny"), dspark=True, prefill_mode="full")
+    cache = ced.make_cache()
+    prefill(ced, prompt, cache, step_size=64)
+    reference = full.make_cache()
+    prefill(full, prompt, reference)
+    assert same(committed(ced, cache), committed(full, reference))
+    n = cache[0].max_trim()
+    assert n == max(1, ced.ced_rollback)
+    mlx_v41.trim_cache(cache, n)
+    shorter = full.make_cache()
+    prefill(full, prompt[:150 - n], shorter)
+    assert same(committed(ced, cache), committed(full, shorter))

@@ -97,10 +97,10 @@ def patch_byte(folder: Path, name: str, at: int, value: int) -> None:
     write_shard(path, header, bytes(payload))
 
 
-def load_error(folder: Path, error, *names: str) -> str:
+def load_error(folder: Path, error, *names: str, dspark: bool = False) -> str:
     """Load `folder`; it must raise `error` with a one-line message containing every name."""
     with pytest.raises(error) as info:
-        load_model(folder)
+        load_model(folder, dspark=dspark)
     message = str(info.value)
     assert "\n" not in message, message
     for name in names:
@@ -282,7 +282,27 @@ def test_tensor_for_a_layer_past_the_config(ckpt):
 
 def test_tensor_missing_from_index(ckpt):
     remove_from_index(ckpt, "layers.4.ffn_norm.weight")
-    load_error(ckpt, CheckpointError, "model.layers.4.post_attention_layernorm.weight")
+    load_error(ckpt, CheckpointError, "layers.4.ffn_norm.weight for parameter "
+               "model.layers.4.post_attention_layernorm.weight")
+
+
+@pytest.mark.parametrize("name, param", [
+    ("mtp.1.ffn_norm.weight", "dspark.stages.1.post_attention_layernorm.weight"),
+    ("mtp.0.main_proj.weight", "dspark.main_proj.scales"),
+    ("mtp.2.attn.wo_a.weight", "dspark.stages.2.self_attn.o_a_proj.scales"),
+    ("mtp.2.markov_head.head.weight", "dspark.markov_head.head"),
+])
+def test_dspark_tensor_missing_from_index(ckpt, name, param):
+    remove_from_index(ckpt, name)
+    load_error(ckpt, CheckpointError, f"{name} for parameter {param}", dspark=True)
+    assert "dspark" not in load_model(ckpt)          # without the drafter mtp.* is dropped
+
+
+def test_dspark_without_mtp_tensors(ckpt):
+    remove_from_index(ckpt, *[n for n in weight_map(ckpt) if n.startswith("mtp.")])
+    load_error(ckpt, CheckpointError, f"no DSpark tensors (mtp.*) in {ckpt}",
+               "load with dspark=False", dspark=True)
+    assert "dspark" not in load_model(ckpt)
 
 
 def test_scale_missing_from_index(ckpt):

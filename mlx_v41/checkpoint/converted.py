@@ -1,6 +1,7 @@
 """Loading a folder written by `mlx_v41.convert`: MLX safetensors shards under our module
-names in the layouts of config.json's `quantization` block (mlx-lm's form), Engram tables as
-packed-row files memory-mapped in place, and the Engram token map saved at conversion.
+names in the layouts of config.json's `quantization` block (mlx-lm's form; the DSpark drafter's
+in `dspark-*` files, read only into a model built with it), Engram tables as packed-row files
+memory-mapped in place, and the Engram token map saved at conversion.
 
 The manifest (`mlx_v41_convert.json`) says the folder is complete and lists every file with
 its size and sha256; sizes are checked at load (a truncated file is an error), hashes by the
@@ -18,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model.engram import EngramRows
 from ..model.layers import configure_quantization
-from .loader import data_start, engram_tables
+from .loader import data_start, engram_tables, no_dspark
 from .safetensors_io import CheckpointError, SafetensorsFile
 
 MANIFEST = "mlx_v41_convert.json"
@@ -57,7 +58,9 @@ def _checked_file(folder: Path, manifest: dict, name: str) -> Path:
 def _load_weights(model, folder: Path, manifest: dict) -> None:
     params = dict(tree_flatten(model.parameters()))
     loaded = {}
-    for name in manifest["weights"]:
+    # Without the drafter its files stay unread: the published load drops mtp.* likewise.
+    drafter = manifest.get("dspark", []) if "dspark" in model else []
+    for name in manifest["weights"] + drafter:
         path = _checked_file(folder, manifest, name)
         for key, value in mx.load(str(path)).items():
             if key not in params:
@@ -103,6 +106,9 @@ def load_converted(model, folder) -> np.ndarray | None:
     """Fill `model` from a converted folder; -> the Engram token map (None without Engram)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    if "dspark" in model and not manifest.get("dspark"):
+        raise no_dspark(folder, "converted without them (--drop-dspark, a source without "
+                        "mtp.*, or an mlx_v41.convert before format 2)")
     quantization = model.args.quantization
     if not isinstance(quantization, dict):
         raise CheckpointError(f"{folder / 'config.json'}: a converted model needs a "

@@ -79,8 +79,10 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         ced_rollback: tokens `trim_cache` can undo right after a CED prefill; the decoder
             halo grows by this many rows per layer. Default (None): window + 1, the same as
             after decoding or a full prefill; 0 gives the minimal halo (trim of 1).
-        dspark: also load the DSpark drafter (`mtp.*`, published layout only) into
-            `model.dspark`; default off (speculative decoding does not use it yet).
+        dspark: also load the DSpark drafter into `model.dspark` (the `mtp.*` tensors of a
+            published folder, the `dspark-*` files of a converted one); a folder without it
+            raises CheckpointError. `stream_generate(..., draft="dspark")` needs it; off
+            (the default), the drafter's tensors are left unread.
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -96,9 +98,6 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
                   prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
     token_map = None
-    if is_converted(folder) and dspark:
-        raise CheckpointError(f"{folder}: a converted folder keeps the DSpark tensors in the "
-                              "published layout; load the drafter from the published checkpoint")
     if is_converted(folder):
         token_map = load_converted(model, folder)
     else:

@@ -87,7 +87,8 @@ DSPARK_RENAMES = _stage_renames() + [
     (r"mtp\.2\.markov_head\.(embed|head)\.weight", r"dspark.markov_head.\1", "plain"),
     (r"mtp\.2\.confidence_head\.proj\.weight", "dspark.confidence_head.proj", "plain"),
 ]
-# (pattern, reason, group): the converter keeps a group's tensors verbatim unless told to drop it.
+# (pattern, reason, group): unless told to drop a group, the converter converts the dspark
+# group like the backbone (`plan(dspark=True)`) and copies the vision group verbatim.
 DROPS = [
     (r"mtp\..*", "DSpark drafter: not part of the text model yet", "dspark"),
     (r"(vision|aligner)\..*", "vision tower: not part of the text model yet", "vision"),
@@ -194,6 +195,38 @@ def plan(index: dict, dspark: bool = False) -> tuple[dict, dict]:
     return used, dropped
 
 
+def published_name(param: str):
+    """The published tensor a model parameter loads from (the rename tables read backwards),
+    or None where one parameter gathers several tensors (stacked experts)."""
+    for pattern, template, kind in RENAMES + DSPARK_RENAMES:
+        # The template's back-references \N match the parameter's path components; their values
+        # fill the pattern's groups in order (an expert id, which the template drops, cannot).
+        parts = re.split(r"\\(\d)", template)
+        target = "".join(re.escape(p) if i % 2 == 0 else f"(?P<g{p}>[^.]+)"
+                         for i, p in enumerate(parts))
+        m = re.fullmatch(target + (r"\.(weight|scales|biases)" if kind in PAIRED else ""), param)
+        values = [m.groupdict().get(f"g{i + 1}") for i in range(pattern.count("("))] if m else []
+        if m is None or None in values:
+            continue
+        name = re.sub(r"\([^)]*\)", lambda _: values.pop(0), pattern).replace("\\.", ".")
+        if re.fullmatch(pattern, name):  # the values fit the groups (fn|base|scale) etc.
+            return name + ".weight" if kind in PAIRED else name
+    return None
+
+
+def missing_error(folder, missing: list) -> CheckpointError:
+    """Parameters no tensor filled, named with the published tensor they need."""
+    tensor = published_name(missing[0])
+    what = f"{tensor} for parameter" if tensor else "for parameter"
+    return CheckpointError(f"{folder}: no checkpoint tensor {what} {missing[0]} "
+                           f"({len(missing)} missing)")
+
+
+def no_dspark(folder, why: str) -> CheckpointError:
+    return CheckpointError(f"no DSpark tensors (mtp.*) in {folder}: {why}; load with "
+                           "dspark=False")
+
+
 def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: str) -> dict:
     """Published tensors of one target -> {parameter name: array}."""
     if kind == "plain":
@@ -296,6 +329,8 @@ def load_weights(model, folder) -> dict:
     """
     folder = Path(folder)
     index = read_index(folder)
+    if "dspark" in model and not any(name.startswith("mtp.") for name in index):
+        raise no_dspark(folder, "the checkpoint has none")
     used, dropped = plan(index, dspark="dspark" in model)
     params = dict(tree_flatten(model.parameters()))
     tables = engram_tables(model)
@@ -312,8 +347,7 @@ def load_weights(model, folder) -> dict:
         loaded.update(convert_target(shards, target, entries, params))
     missing = sorted(set(params) - set(loaded)) + sorted(set(tables) - attached)
     if missing:
-        raise CheckpointError(f"{folder}: no checkpoint tensor for parameter {missing[0]}"
-                              f" ({len(missing)} missing)")
+        raise missing_error(folder, missing)
     model.update(tree_unflatten(list(loaded.items())))
     mx.eval(model.parameters())
     return dropped

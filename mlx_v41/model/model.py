@@ -179,7 +179,9 @@ class Model(nn.Module):
                             role.engram_index is not None)
                  for role in self.roles[:cfg.num_hidden_layers]]
         stages = len(self.dspark.stages) if "dspark" in self else 0
-        return cache + [LayerCache(cfg.sliding_window) for _ in range(stages)]
+        # A draft attends the `sliding_window` positions before the block (the backbone's
+        # window holds one fewer before its query), hence the one-row-wider ring.
+        return cache + [LayerCache(cfg.sliding_window + 1) for _ in range(stages)]
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
                  capture: Optional[dict] = None,

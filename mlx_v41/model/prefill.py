@@ -152,7 +152,10 @@ def halo_spans(model, rows: int, mode: str) -> Optional[list]:
     if mode == "ced_replay":
         span = min(rows, cfg.sliding_window)
         return [(span, span)] * (cfg.num_hidden_layers - model.model.decoder_start)
-    return ced_halo(cfg, rows, model.ced_rollback)
+    rollback = model.ced_rollback
+    if "dspark" in model:  # the taps at the last layers must fill the draft rings' window too
+        rollback = max(rollback, 1) + 1
+    return ced_halo(cfg, rows, rollback)
 
 
 def _as_ids(ids) -> mx.array:

@@ -228,3 +228,15 @@ def test_ced_prefill_fills_the_draft_rings(goldens, rollback):
     shorter = full.make_cache()
     prefill(full, prompt[:150 - n], shorter)
     assert same(committed(ced, cache), committed(full, shorter))
+
+
+def test_prompt_cache_round_trip_keeps_the_rings(tiny, tmp_path):
+    """Saved with the drafter, loaded back exactly; a model without it refuses in one line."""
+    model, prompt = tiny
+    cache = model.make_cache()
+    prefill(model, prompt, cache)
+    path = tmp_path / "chat.cache"
+    mlx_v41.save_prompt_cache(path, cache, model)
+    assert same(committed(model, mlx_v41.load_prompt_cache(path, model)), committed(model, cache))
+    with pytest.raises(mlx_v41.CacheError, match="same dspark setting"):
+        mlx_v41.load_prompt_cache(path, mlx_v41.load_model(golden_checkpoint("tiny")))

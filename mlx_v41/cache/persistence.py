@@ -114,7 +114,10 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
     layers = json.loads(info["layers"])
     cache = model.make_cache()
     if len(layers) != len(cache):
-        raise CacheError(f"{path}: {len(layers)} layers, the model has {len(cache)}")
+        stages = model.cfg.num_nextn_predict_layers
+        drafter = " (the DSpark rings: load the model with the same dspark setting as the one " \
+            "that saved it)" if abs(len(layers) - len(cache)) == stages else ""
+        raise CacheError(f"{path}: {len(layers)} layers, the model has {len(cache)}{drafter}")
     for i, (c, meta) in enumerate(zip(cache, layers)):
         _restore(i, c, meta, arrays, path)
     _check_loaded(cache, path)

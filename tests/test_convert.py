@@ -312,12 +312,13 @@ def test_official_recipe_converts_the_drafter_bit_exactly(tmp_path, golden_draft
 
 # recipe -> (convert kwargs, lower bound on the mean cosine similarity of the requantized
 # drafter's logit rows with the official drafter's, both on the official drafts' Markov chain,
-# over 4 random tap sets). Measured: 0.977 / 0.854. Another tap set's drafts score 0.46-0.58
-# (the shared chain's Markov term), zeroed draft experts 0.16, stage 0/1 experts swapped 0.33,
-# stage 2's down_proj experts reversed 0.72, main_proj rows reversed 0.46.
+# over 4 random tap sets). Measured: 0.968 / 0.864. On mixed_3_8, other taps' official drafts
+# on the same chain score 0.41 (the chain's Markov term), zeroed draft experts 0.16, stage 0/1
+# experts swapped 0.29, stage 2's down_proj experts in reverse order 0.78, main_proj rows
+# reversed 0.47.
 DRAFT_RECIPES = {
     "affine8": (dict(quantize=True, q_bits=8), 0.93),
-    "mixed_3_8": (dict(quant_predicate="mixed_3_8"), 0.78),
+    "mixed_3_8": (dict(quant_predicate="mixed_3_8"), 0.82),
 }
 
 

@@ -110,7 +110,6 @@ def sizes(work: Path) -> None:
     from mlx_v41.convert.plan import make_plan
     from mlx_v41.convert.recipes import make_recipe
     from mlx_v41.convert.source import Source
-    from mlx_v41.model.model import Model
 
     config = json.loads(official_config_path().read_text())
     folder = work / "real-headers"
@@ -118,18 +117,18 @@ def sizes(work: Path) -> None:
     print(f"inventory: {count:,} tensors, {total:,} bytes "
           f"({'matches' if (count, total) == (SPEC_TENSORS, SPEC_BYTES) else 'DIFFERS FROM'} "
           "spec checkpoint.md §6)")
-    print("| recipe | weights | Engram tables | extras (DSpark + vision) | total | "
-          "without extras |")
-    print("|---|---|---|---|---|---|")
+    print("| recipe | weights | DSpark drafter | Engram tables | extras (vision) | total | "
+          "without drafter and extras |")
+    print("|---|---|---|---|---|---|---|")
     for label, kwargs in RECIPES:
         start = time.monotonic()
         source = Source(folder, {"vision", "dspark"})
-        recipe = make_recipe(Model(source.args), **kwargs)
+        recipe = make_recipe(source.skeleton(), **kwargs)
         s = make_plan(source, recipe, 5 * 10**9).sizes()
         gb = lambda n: f"{n / 1e9:,.2f} GB"
-        print(f"| `{label}` | {gb(s['weights'])} | {gb(s['engram_tables'])} | "
-              f"{gb(s['extras'])} | {gb(s['total'])} | {gb(s['total'] - s['extras'])} |",
-              flush=True)
+        print(f"| `{label}` | {gb(s['weights'])} | {gb(s['dspark'])} | {gb(s['engram_tables'])} | "
+              f"{gb(s['extras'])} | {gb(s['total'])} | "
+              f"{gb(s['total'] - s['extras'] - s['dspark'])} |", flush=True)
         print(f"<!-- planned in {time.monotonic() - start:.0f} s -->", file=sys.stderr)
 
 

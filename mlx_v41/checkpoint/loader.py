@@ -90,7 +90,7 @@ DSPARK_RENAMES = _stage_renames() + [
 # (pattern, reason, group): unless told to drop a group, the converter converts the dspark
 # group like the backbone (`plan(dspark=True)`) and copies the vision group verbatim.
 DROPS = [
-    (r"mtp\..*", "DSpark drafter: not part of the text model yet", "dspark"),
+    (r"mtp\..*", "DSpark drafter: loaded only with dspark=True", "dspark"),
     (r"(vision|aligner)\..*", "vision tower: not part of the text model yet", "vision"),
     (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet", "vision"),
 ]

@@ -199,14 +199,37 @@ def test_bad_settings_are_refused(tiny):
     model, _ = tiny
     for k in (0, 6, 2.5):
         with pytest.raises(ValueError, match="num_draft_tokens must be an int in 1..5"):
-            check_draft_settings(model, None, None, k)
+            check_draft_settings(model, None, k)
     with pytest.raises(ValueError, match="mlx_v41.Sampling"):
-        check_draft_settings(model, lambda x: x, None, 5)
-    with pytest.raises(ValueError, match="logits processors"):
-        check_draft_settings(model, None, [lambda h, x: x], 5)
+        check_draft_settings(model, lambda x: x, 5)
     plain = mlx_v41.load_model(golden_checkpoint("tiny"))
     with pytest.raises(ValueError, match="dspark=True"):
-        check_draft_settings(plain, None, None, 5)
+        check_draft_settings(plain, None, 5)
+
+
+@pytest.mark.parametrize("right", [5, 0])
+def test_logits_processors_shape_every_verify_row(tiny, right):
+    """Logits processors (mlx-lm's repetition penalty, then one that allows only the token after
+    the last one) with drafts equal plain decoding with them: each verify row is shaped with the tokens before
+    it, the ones fed earlier in the same verify forward included."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, prompt = tiny
+    vocab = mx.arange(model.cfg.vocab_size)
+
+    def count_up(tokens, logits):  # allows only the token after the last one fed
+        return mx.where(vocab == (tokens[-1] + 1) % model.cfg.vocab_size, logits, -1e9)
+
+    processors = make_logits_processors(repetition_penalty=4.0, repetition_context_size=64)
+    processors.append(count_up)
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    plain = [t for t, _ in generate_step(model, logits, cache, tokens=prompt,
+                                         logits_processors=processors, max_tokens=30)]
+    assert plain != plain_run(model, prompt, 30)[0]        # the penalty changes the output
+    spec, _, _, stats = speculate(model, prompt, 30, logits_processors=processors,
+                                  history=prompt, drafter=Oracle(model, prompt, plain, right))
+    assert spec == plain and stats.accepted == (30 - stats.cycles)
 
 
 @pytest.mark.parametrize("rollback", [None, 0, 5])

@@ -127,7 +127,7 @@ class ChatSession:
         """Add a user message and stream the reply. If the caller stops early (Ctrl-C), call
         `interrupt()` so the transcript and caches stay consistent."""
         if self.draft:  # refused before the turn starts, so the session stays as it was
-            check_draft_settings(self.model, self.sampler, None, self.num_draft_tokens)
+            check_draft_settings(self.model, self.sampler, self.num_draft_tokens)
         self.messages.append({"role": "user", "content": text})
         self._reply = None
         try:

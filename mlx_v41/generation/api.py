@@ -165,10 +165,11 @@ def _steps(model, logits, cache, history, sampler, logits_processors, max_tokens
         return ((token, logprobs, False) for token, logprobs in steps)
     if draft != "dspark":
         raise ValueError(f"draft must be None or 'dspark', got {draft!r}")
-    sampling = check_draft_settings(model, sampler, logits_processors, num_draft_tokens)
+    sampling = check_draft_settings(model, sampler, num_draft_tokens)
     return speculative_steps(model, logits, cache, sampling=sampling, max_tokens=max_tokens,
                              stops=stops, num_draft_tokens=num_draft_tokens,
-                             draft_confidence=draft_confidence, stats=stats)
+                             draft_confidence=draft_confidence, stats=stats,
+                             logits_processors=logits_processors, history=history)
 
 
 

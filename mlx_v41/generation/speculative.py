@@ -60,7 +60,7 @@ class DraftStats:
         return (self.accepted + self.cycles) / max(self.cycles, 1)
 
 
-def check_draft_settings(model, sampler, logits_processors, num_draft_tokens: int) -> Sampling:
+def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
     """The settings speculative decoding runs with, or a ValueError naming what is missing."""
     if "dspark" not in model:
         raise ValueError("draft='dspark' needs the DSpark drafter: load the model with "
@@ -68,8 +68,6 @@ def check_draft_settings(model, sampler, logits_processors, num_draft_tokens: in
     if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
         raise ValueError(f"num_draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got "
                          f"{num_draft_tokens!r}")
-    if logits_processors:
-        raise ValueError("logits processors are not supported with draft='dspark' yet")
     if sampler is None:
         return Sampling()
     if not isinstance(sampler, Sampling):
@@ -81,16 +79,20 @@ def check_draft_settings(model, sampler, logits_processors, num_draft_tokens: in
 def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Sampling,
                       max_tokens: int, stops: Sequence[int] = (), num_draft_tokens: int = 5,
                       draft_confidence: Optional[float] = None,
-                      stats: Optional[DraftStats] = None, drafter=None) -> Iterator[tuple]:
+                      stats: Optional[DraftStats] = None, drafter=None,
+                      logits_processors=None, history: Sequence[int] = ()) -> Iterator[tuple]:
     """(token, logprobs, from_draft) continuing from the prompt's last `logits` [1, 1, V],
     like `generate_step`: every yielded token has been fed to the cache, and the cache holds
     exactly the yielded tokens after the prompt (rejected and unyielded rows are trimmed).
     `drafter`: anything with `DSpark.draft`'s signature (default the model's; tests and the
-    benchmark pass an oracle)."""
+    benchmark pass an oracle). `logits_processors` (mlx-lm's) shape every target row with
+    the tokens before it (`history`: the prompt), as plain decoding does; the drafts' own
+    distributions need no shaping, since acceptance compares them with the shaped target."""
     drafter = model.dspark if drafter is None else drafter
     stats = stats if stats is not None else DraftStats()
     limit = model.cfg.max_position_embeddings
-    logprobs = _normalise(logits[0, -1])
+    shape = _Shaper(logits_processors, history)
+    logprobs = _normalise(shape(logits[0, -1:], []))[0]
     anchor = _draw(sampling, logprobs)
     done = 0
     while done < max_tokens:
@@ -98,13 +100,14 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
         drafts, q = _draft(model, drafter, cache, anchor, sampling,
                            min(num_draft_tokens, room), draft_confidence)
         rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
-        targets = _normalise(rows)
+        targets = _normalise(shape(rows, [anchor] + drafts))
         accepted, following = _accept(sampling, targets, drafts, q)
         accepted = _cut_at_stop(anchor, accepted, stops)
         trim_cache(cache, len(drafts) - len(accepted))
         stats.proposed += len(drafts)
         stats.accepted += len(accepted)
         stats.cycles += 1
+        shape.extend([anchor] + accepted)
         yield anchor, logprobs, False
         done += 1
         for i, token in enumerate(accepted):
@@ -116,6 +119,29 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
             return
         logprobs = targets[len(accepted)]
         anchor = following if following is not None else _draw(sampling, logprobs)
+
+
+class _Shaper:
+    """mlx-lm logits processors applied row by row: row r of a verify forward predicts the token
+    after the committed history and the first r + 1 tokens fed in that forward."""
+
+    def __init__(self, processors, history: Sequence[int]):
+        self.processors, self.history = list(processors or ()), list(history)
+
+    def __call__(self, rows: mx.array, fed: list) -> mx.array:
+        if not self.processors:
+            return rows
+        shaped = []
+        for r in range(rows.shape[0]):
+            tokens = mx.array(self.history + fed[:r + 1], dtype=mx.int32)
+            row = rows[r:r + 1]
+            for processor in self.processors:
+                row = processor(tokens, row)
+            shaped.append(row)
+        return mx.concatenate(shaped, axis=0)
+
+    def extend(self, tokens: list) -> None:
+        self.history += tokens
 
 
 def _normalise(logits: mx.array) -> mx.array:

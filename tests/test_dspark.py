@@ -263,3 +263,15 @@ def test_prompt_cache_round_trip_keeps_the_rings(tiny, tmp_path):
     assert same(committed(model, mlx_v41.load_prompt_cache(path, model)), committed(model, cache))
     with pytest.raises(mlx_v41.CacheError, match="same dspark setting"):
         mlx_v41.load_prompt_cache(path, mlx_v41.load_model(golden_checkpoint("tiny")))
+
+
+def test_greedy_equals_plain_greedy_on_the_published_schedule(goldens):
+    """The 40 + 3 layer schedule (CED prefill with its longer halo, all owner kinds)."""
+    model = mlx_v41.load_model(golden_checkpoint("schedule"), dspark=True)
+    prompt = goldens("schedule").prompt[:80].tolist()
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    plain = [token for token, _ in generate_step(model, logits, cache, max_tokens=64)]
+    spec, _, spec_cache, stats = speculate(model, prompt, 64)
+    assert spec == plain and stats.proposed > 0
+    assert same(committed(model, spec_cache), committed(model, cache))

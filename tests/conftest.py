@@ -67,6 +67,19 @@ def reference_ops(model):
     return model
 
 
+def packed_state(cache) -> list:
+    """Every committed byte a later call can read: compressed rows, open groups, the windows."""
+    out = []
+    for c in cache:
+        if c.compressed is not None:
+            kv = c.compressed
+            out += [kv.kv[:, :kv.count], kv.index_k[:, :kv.count]]
+            out += list(kv.pending) if kv.pending else []
+        if c.offset > 1:
+            out.append(c.window.recent(c.offset))
+    return out
+
+
 class Golden:
     def __init__(self, name: str):
         self.name = name

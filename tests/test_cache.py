@@ -10,7 +10,7 @@ from mlx_v41 import CacheError, cache_bytes, trim_cache
 from mlx_v41.model.schedule import ced_halo
 from mlx_v41.model.config import ModelArgs, TextConfig
 from mlx_v41.model.model import Model
-from conftest import golden_checkpoint
+from conftest import golden_checkpoint, packed_state
 
 # Exact equalities between different computations: they hold on the CPU backend.
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -23,19 +23,6 @@ def prompt(goldens):
 
 def _model(mode="ced"):
     return mlx_v41.load_model(golden_checkpoint("tiny"), prefill_mode=mode)
-
-
-def _packed_state(cache):
-    """Every committed byte a later call can read: compressed rows, open groups, the windows."""
-    out = []
-    for c in cache:
-        if c.compressed is not None:
-            kv = c.compressed
-            out += [kv.kv[:, :kv.count], kv.index_k[:, :kv.count]]
-            out += list(kv.pending) if kv.pending else []
-        if c.offset > 1:
-            out.append(c.window.recent(c.offset))
-    return out
 
 
 def test_real_width_cache_is_890_bytes_per_token():
@@ -68,7 +55,7 @@ def test_ced_prefill_equals_full_prefill(prompt, n, rollback):
     a = full(prompt[:, :n], cache=cf, last_only=True)
     b = ced(prompt[:, :n], cache=cc, last_only=True)
     assert mx.array_equal(a, b)
-    for x, y in zip(_packed_state(cf), _packed_state(cc)):
+    for x, y in zip(packed_state(cf), packed_state(cc)):
         assert mx.array_equal(x, y)
     for token in (5, 9):
         step = mx.array([[token]], dtype=mx.int32)
@@ -138,7 +125,7 @@ def test_trim_right_after_ced_prefill(prompt, rollback, n):
     trim_cache(cache, n)
     reference = full.make_cache()
     full.prefill(prompt[:, :150 - n], reference)
-    for x, y in zip(_packed_state(reference), _packed_state(cache)):
+    for x, y in zip(packed_state(reference), packed_state(cache)):
         assert mx.array_equal(x, y)
     step = prompt[:, 150 - n:160 - n]
     assert mx.array_equal(model(step, cache=cache), full(step, cache=reference))
@@ -153,13 +140,13 @@ def test_trim_too_far_is_refused_and_changes_nothing(prompt):
     model = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=3)
     cache = model.make_cache()
     model.prefill(prompt[:, :100], cache)
-    before = _packed_state(cache)
+    before = packed_state(cache)
     with pytest.raises(CacheError, match="at most 3"):
         trim_cache(cache, 5)      # the CED prefill kept 3 tokens of rollback in layer 11
     with pytest.raises(CacheError, match="holds 100"):
         trim_cache(cache, 101)
     assert cache[0].offset == 100
-    assert all(mx.array_equal(x, y) for x, y in zip(before, _packed_state(cache)))
+    assert all(mx.array_equal(x, y) for x, y in zip(before, packed_state(cache)))
 
 
 def test_mlx_lm_trim_helpers_work(prompt):

@@ -108,14 +108,12 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
         stats.accepted += len(accepted)
         stats.cycles += 1
         shape.extend([anchor] + accepted)
+        # k <= room keeps anchor + accepted within max_tokens and the context.
         yield anchor, logprobs, False
-        done += 1
         for i, token in enumerate(accepted):
-            if done == max_tokens or anchor in stops:
-                return
             yield token, targets[i], True
-            done += 1
-        if anchor in stops or (accepted and accepted[-1] in stops):
+        done += 1 + len(accepted)
+        if ([anchor] + accepted)[-1] in stops:
             return
         logprobs = targets[len(accepted)]
         anchor = following if following is not None else _draw(sampling, logprobs)

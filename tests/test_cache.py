@@ -21,8 +21,9 @@ def prompt(goldens):
     return goldens("tiny").prompt[None].astype(mx.int32)
 
 
-def _model(mode="ced"):
-    return mlx_v41.load_model(golden_checkpoint("tiny"), prefill_mode=mode)
+def _model(mode="ced", dspark=False):
+    """The backbone's cache (the drafter's rings and its extra halo row: tests/test_dspark.py)."""
+    return mlx_v41.load_model(golden_checkpoint("tiny"), prefill_mode=mode, dspark=dspark)
 
 
 def test_real_width_cache_is_890_bytes_per_token():
@@ -73,9 +74,12 @@ def test_ced_skips_decoder_rows(prompt):
     assert captured["layers.7.out"].shape[1] == 77
     assert captured["layers.11.out"].shape[1] == 1
     assert captured["layers.6.out"].shape[1] == 201
-    minimal = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=0)
+    minimal = mlx_v41.load_model(golden_checkpoint("tiny"), ced_rollback=0, dspark=False)
     minimal(prompt, last_only=True, capture=captured)
     assert captured["layers.7.out"].shape[1] == 61
+    # The drafter (loaded by default from this folder) needs one more row for its rollback.
+    mlx_v41.load_model(golden_checkpoint("tiny"))(prompt, last_only=True, capture=captured)
+    assert captured["layers.7.out"].shape[1] == 78
     assert mx.array_equal(minimal(prompt, last_only=True), model(prompt, last_only=True))
 
 

@@ -35,7 +35,8 @@ GOLDEN = golden_checkpoint("tiny")
 
 @pytest.fixture(scope="module")
 def loaded():
-    return mlx_v41.load(GOLDEN)
+    """What `mlx_v41.chat` loads without --dspark: the backbone only."""
+    return mlx_v41.load(GOLDEN, dspark=False)
 
 
 def scripted(tokenizer, text):

@@ -56,7 +56,7 @@ REAL_WRITE = writer._write
 pytestmark = pytest.mark.usefixtures("cpu")
 
 
-def load_model(path, dspark: bool = False):
+def load_model(path, dspark=None):
     """`mlx_v41.load_model` on the reference ops."""
     return reference_ops(mlx_v41.load_model(path, dspark=dspark))
 
@@ -300,7 +300,8 @@ def draft_logits(model, forced=None) -> tuple:
 
 def test_official_recipe_converts_the_drafter_bit_exactly(tmp_path, golden_drafter):
     out = convert(GOLDEN, tmp_path / "mlx", drop_vision=True, **QUIET)
-    converted = load_model(out, dspark=True)
+    converted = load_model(out)                         # the drafter loads by default
+    assert "dspark" not in load_model(out, dspark=False)
     ours, published = params(converted.dspark), params(golden_drafter.dspark)
     assert ours.keys() == published.keys() and len(ours) > 100
     for name in published:
@@ -360,7 +361,7 @@ def test_dropped_drafter_is_absent_and_refused(tmp_path, capsys):
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"no DSpark tensors (mtp.*) in {out}")
     assert "load with dspark=False" in message
-    assert "dspark" not in load_model(out)
+    assert "dspark" not in load_model(out)              # by default: the backbone alone
 
 
 # ---------------------------------------------------------------- interruption and resume

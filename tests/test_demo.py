@@ -19,6 +19,8 @@ from mlx_v41.checkpoint import random_checkpoint
 from mlx_v41.checkpoint.demo import (CHAT_SPECIALS, MARKER, ensure_demo_checkpoint,
                                      write_demo_tokenizer)
 from mlx_v41.chat.tokenizer import load_tokenizer
+from mlx_v41.generation.api import generate_step, prefill
+from mlx_v41.generation.speculative import DraftStats, Sampling, speculative_steps
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDENS = REPO / "tests" / "data" / "goldens"
@@ -92,6 +94,29 @@ def test_load_demo_and_generate(demo):
     assert prompt.endswith(f"{cf.ASSISTANT}{cf.THINK_START}")  # thinking mode by default
     responses = list(mlx_v41.stream_generate(model, tokenizer, prompt, max_tokens=2))
     assert 1 <= len(responses) <= 2 and responses[-1].finish_reason in ("stop", "length")
+
+
+def test_demo_drafts_plain_greedy(demo):
+    """The demo ships the drafter (loaded by default): 64 speculative greedy tokens after a CED
+    prefill are plain greedy decoding's (its random drafter is always rejected, so every cycle
+    rolls 5 rows back)."""
+    model, tokenizer = mlx_v41.load("demo")
+    assert "dspark" in model
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    runs = []
+    for draft in (None, "dspark"):
+        cache = model.make_cache()
+        logits = prefill(model, prompt, cache)
+        if draft is None:
+            steps = generate_step(model, logits, cache, max_tokens=64)
+        else:
+            stats = DraftStats()
+            steps = speculative_steps(model, logits, cache, sampling=Sampling(), max_tokens=64,
+                                      stats=stats)
+        runs.append([step[0] for step in steps])
+    assert len(runs[0]) == 64 and runs[1] == runs[0]
+    # k = 5 until the last cycles, which never draft past max_tokens.
+    assert stats.accepted == 0 and stats.proposed == sum(min(5, 63 - i) for i in range(64))
 
 
 def run(args, root):

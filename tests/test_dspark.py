@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import mlx_v41
+from mlx_v41.chat.tokenizer import load_tokenizer
 from mlx_v41.generation.api import generate_step, prefill
 from mlx_v41.generation.speculative import (DraftStats, Sampling, _accept, check_draft_settings,
                                             speculative_steps)
@@ -193,9 +194,24 @@ def test_bad_settings_are_refused(tiny):
             check_draft_settings(model, None, k)
     with pytest.raises(ValueError, match="mlx_v41.Sampling"):
         check_draft_settings(model, lambda x: x, 5)
-    plain = mlx_v41.load_model(golden_checkpoint("tiny"))
-    with pytest.raises(ValueError, match="dspark=True"):
+    plain = mlx_v41.load_model(golden_checkpoint("tiny"), dspark=False)
+    with pytest.raises(ValueError, match="loaded without it"):
         check_draft_settings(plain, None, 5)
+
+
+def test_batch_is_refused_in_one_line(tiny):
+    """Drafting runs one sequence per cache: a batch is refused, not silently cut to row 0."""
+    model, prompt = tiny
+    cache = model.make_cache()
+    logits = model(mx.array([prompt[:8], prompt[8:16]]), cache=cache)
+    with pytest.raises(ValueError, match="one sequence per cache: logits have batch 2"):
+        next(speculative_steps(model, logits, cache, sampling=Sampling(), max_tokens=4))
+    tokenizer = load_tokenizer(golden_checkpoint("tiny"))
+    with pytest.raises(ValueError, match=r"one sequence: prompt has shape \[2, 8\]"):
+        next(mlx_v41.stream_generate(model, tokenizer, mx.array([prompt[:8], prompt[8:16]]),
+                                     draft="dspark"))
+    one = mlx_v41.generate(model, tokenizer, mx.array([prompt[:8]]), max_tokens=4, draft="dspark")
+    assert one == mlx_v41.generate(model, tokenizer, prompt[:8], max_tokens=4)
 
 
 @pytest.mark.parametrize("right", [5, 0])
@@ -253,7 +269,8 @@ def test_prompt_cache_round_trip_keeps_the_rings(tiny, tmp_path):
     mlx_v41.save_prompt_cache(path, cache, model)
     assert same(committed(model, mlx_v41.load_prompt_cache(path, model)), committed(model, cache))
     with pytest.raises(mlx_v41.CacheError, match="same dspark setting"):
-        mlx_v41.load_prompt_cache(path, mlx_v41.load_model(golden_checkpoint("tiny")))
+        mlx_v41.load_prompt_cache(path, mlx_v41.load_model(golden_checkpoint("tiny"),
+                                                            dspark=False))
 
 
 def test_greedy_equals_plain_greedy_on_the_published_schedule(goldens):

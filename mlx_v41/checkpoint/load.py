@@ -63,8 +63,20 @@ def _hash_shard(digest, path: Path) -> None:
         digest.update(f.read())
 
 
+def has_drafter(folder) -> bool:
+    """Whether a model folder holds the DSpark drafter (published `mtp.*` tensors, or the
+    `dspark-*` files of a converted folder)."""
+    from .converted import is_converted, read_manifest
+    from .loader import read_index
+
+    folder = Path(folder)
+    if is_converted(folder):
+        return bool(read_manifest(folder).get("dspark"))
+    return any(name.startswith("mtp.") for name in read_index(folder))
+
+
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
-               ced_rollback: Optional[int] = None, dspark: bool = False):
+               ced_rollback: Optional[int] = None, dspark: Optional[bool] = None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -79,10 +91,12 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         ced_rollback: tokens `trim_cache` can undo right after a CED prefill; the decoder
             halo grows by this many rows per layer. Default (None): window + 1, the same as
             after decoding or a full prefill; 0 gives the minimal halo (trim of 1).
-        dspark: also load the DSpark drafter into `model.dspark` (the `mtp.*` tensors of a
-            published folder, the `dspark-*` files of a converted one); a folder without it
-            raises CheckpointError. `stream_generate(..., draft="dspark")` needs it; off
-            (the default), the drafter's tensors are left unread.
+        dspark: load the DSpark drafter into `model.dspark` (the `mtp.*` tensors of a
+            published folder, the `dspark-*` files of a converted one), which
+            `stream_generate(..., draft="dspark")` needs. Default (None): load it when the
+            folder has it. True: a folder without it raises CheckpointError. False: its
+            tensors are left unread (7.93 GB at full size), and no forward pays for the
+            drafter's rings.
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -95,6 +109,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder not found")
     args = ModelArgs.from_file(folder / "config.json")
+    if dspark is None:
+        dspark = has_drafter(folder)
     model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
                   prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
     token_map = None

@@ -218,8 +218,10 @@ def missing_error(folder, missing: list) -> CheckpointError:
     """Parameters no tensor filled, named with the published tensor they need."""
     tensor = published_name(missing[0])
     what = f"{tensor} for parameter" if tensor else "for parameter"
+    skip = "; dspark=False loads without the drafter" if missing[0].startswith("dspark.") \
+        else ""
     return CheckpointError(f"{folder}: no checkpoint tensor {what} {missing[0]} "
-                           f"({len(missing)} missing)")
+                           f"({len(missing)} missing{skip})")
 
 
 def no_dspark(folder, why: str) -> CheckpointError:

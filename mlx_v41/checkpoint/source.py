@@ -45,7 +45,7 @@ def _download(repo: str) -> Path:
 
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
-         ced_rollback: Optional[int] = None, dspark: bool = False):
+         ced_rollback: Optional[int] = None, dspark: Optional[bool] = None):
     """Load a model and its tokenizer.
 
     Args:
@@ -54,8 +54,8 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
         prefill_mode: "ced" (exact, default), "full" or "ced_replay" (APPROXIMATE).
         compat_reference_index_k_bug: reproduce the reference's index-key defect (parity only).
         ced_rollback: tokens a trim can undo right after a CED prefill (see load_model).
-        dspark: also load the DSpark drafter (the checkpoint's `mtp.*` tensors), for
-            `stream_generate(..., draft="dspark")`.
+        dspark: load the DSpark drafter for `stream_generate(..., draft="dspark")`: None
+            (default) when the checkpoint has it, True (required), False (skipped).
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:

@@ -207,7 +207,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
     if isinstance(prompt, str):
         ids = tokenizer.encode_prompt(prompt, add_bos=cache[0].offset == 0)
     else:
-        ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+        ids = _one_sequence(prompt)
     with wired_limit(model):
         tic = time.perf_counter()
         logits = prefill(model, ids, cache, prefill_step_size, prompt_progress_callback)
@@ -218,6 +218,19 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
                                  num_draft_tokens=num_draft_tokens,
                                  draft_confidence=draft_confidence)
 
+
+
+def _one_sequence(prompt) -> list:
+    """Token ids of one sequence: a list, a [S] array or a [1, S] array."""
+    if not isinstance(prompt, mx.array):
+        return list(prompt)
+    if prompt.ndim == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.ndim != 1:
+        raise ValueError(f"stream_generate runs one sequence: prompt has shape "
+                         f"{list(prompt.shape)} (a batch runs through model(ids, cache=...); "
+                         "DSpark drafts one sequence per cache)")
+    return prompt.tolist()
 
 
 def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

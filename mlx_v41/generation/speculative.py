@@ -63,8 +63,9 @@ class DraftStats:
 def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
     """The settings speculative decoding runs with, or a ValueError naming what is missing."""
     if "dspark" not in model:
-        raise ValueError("draft='dspark' needs the DSpark drafter: load the model with "
-                         "dspark=True (a checkpoint with the mtp.* tensors)")
+        raise ValueError("draft='dspark' needs the DSpark drafter: this model was loaded "
+                         "without it (dspark=False, or a checkpoint without the mtp.* "
+                         "tensors; dspark=True names what is missing)")
     if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
         raise ValueError(f"num_draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got "
                          f"{num_draft_tokens!r}")
@@ -88,6 +89,9 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
     benchmark pass an oracle). `logits_processors` (mlx-lm's) shape every target row with
     the tokens before it (`history`: the prompt), as plain decoding does; the drafts' own
     distributions need no shaping, since acceptance compares them with the shaped target."""
+    if logits.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs one sequence per cache: logits have batch "
+                         f"{logits.shape[0]} (run each sequence with its own cache)")
     drafter = model.dspark if drafter is None else drafter
     stats = stats if stats is not None else DraftStats()
     limit = model.cfg.max_position_embeddings

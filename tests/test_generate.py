@@ -236,6 +236,11 @@ def test_context_limit(short_context):
         next(stream_generate(model, tokenizer, list(range(3, 43))))
     responses = list(stream_generate(model, tokenizer, list(range(3, 38)), max_tokens=10))
     assert responses[-1].generation_tokens == 5 and responses[-1].finish_reason == "length"
+    # Drafting stops at the context too: a verify past it would raise in the forward.
+    drafted = list(stream_generate(model, tokenizer, list(range(3, 38)), max_tokens=10,
+                                   draft="dspark"))
+    assert [r.token for r in drafted] == [r.token for r in responses]
+    assert drafted[-1].finish_reason == "length" and drafted[-1].draft_stats.proposed > 0
 
 
 def test_load_from_the_hub(monkeypatch):

@@ -218,7 +218,9 @@ class PipelineModel(Model):
             if not stage.owns(i):
                 text.layers[i] = RemoteBlock(role, stage)
             elif i == self.ranges[stage.rank][0] and i > 0:
-                text.layers[i] = ReceivingBlock(self.cfg, role)
+                # The built block becomes a receiving one: no new weights drawn, so the random
+                # key stays the one a single process holds after loading (same samples).
+                text.layers[i].__class__ = ReceivingBlock
                 text.layers[i].stage = stage
         if not stage.first:
             text.pop("embed_tokens")

@@ -123,7 +123,11 @@ class CompressedKV:
         k = kernels or Kernels()
         kv = fp4_pack(kv_values, "kv", use_kernel=k.use, run=k.fp4_pack)
         ik = fp4_pack(index_values, "index", use_kernel=k.use, run=k.fp4_pack)
-        batch = kv.shape[0]
+        self.append_packed(kv, ik)
+
+    def append_packed(self, kv: mx.array, ik: mx.array) -> None:
+        """Store rows already packed ([B, n, bytes] uint8: another rank's, in a pipeline)."""
+        n, batch = kv.shape[1], kv.shape[0]
         self.kv = _grow(self.kv, self.count + n, batch, kv.shape[-1], mx.uint8)
         self.index_k = _grow(self.index_k, self.count + n, batch, ik.shape[-1], mx.uint8)
         start = mx.array([0, self.count, 0])

@@ -76,7 +76,8 @@ def has_drafter(folder) -> bool:
 
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
-               ced_rollback: Optional[int] = None, dspark: Optional[bool] = None):
+               ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
+               build=None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -97,6 +98,9 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             folder has it. True: a folder without it raises CheckpointError. False: its
             tensors are left unread (7.93 GB at full size), and no forward pays for the
             drafter's rings.
+        build: makes the model from (args, **options) instead of `Model` (a pipeline stage,
+            `mlx_v41.distributed`; one with `partial = True` leaves the tensors of the modules
+            it dropped unread).
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -111,7 +115,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     args = ModelArgs.from_file(folder / "config.json")
     if dspark is None:
         dspark = has_drafter(folder)
-    model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
+    model = (build or Model)(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
                   prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
     token_map = None
     if is_converted(folder):

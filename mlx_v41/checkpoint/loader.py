@@ -338,6 +338,9 @@ def load_weights(model, folder) -> dict:
     tables = engram_tables(model)
     shards = _Shards(index)
     loaded, attached = {}, set()
+    if getattr(model, "partial", False):  # a pipeline stage: other ranks' tensors stay unread
+        used = {t: e for t, e in used.items()
+                if t in params or f"{t}.weight" in params or t in tables}
     for target, entries in used.items():
         if entries[0][0] == "fp8_rows":
             if target not in tables:

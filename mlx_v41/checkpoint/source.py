@@ -45,8 +45,8 @@ def _download(repo: str) -> Path:
 
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
-         ced_rollback: Optional[int] = None, dspark: Optional[bool] = None):
-    """Load a model and its tokenizer.
+         ced_rollback: Optional[int] = None, dspark: Optional[bool] = None, build=None):
+    """Load a model and its tokenizer (`build`: see load_model).
 
     Args:
         path_or_repo: a local folder in the published layout, a Hugging Face repo id, or
@@ -69,5 +69,6 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     args = ModelArgs.from_file(folder / "config.json")
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                       prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
+                       prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
+                       build=build)
     return model, tokenizer

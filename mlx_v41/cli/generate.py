@@ -26,6 +26,8 @@ from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
 from ..generation.api import PrefillProgress
+from ..distributed.cli import add_distributed_arguments, pipeline_loader
+from ..distributed.link import DistributedError
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -41,6 +43,7 @@ def setup_arg_parser() -> ArgumentParser:
                              "session made with the same model, --prefill-mode and "
                              "--dspark): its cached prefix of this prompt is reused; written "
                              "with this prompt when the file does not exist")
+    add_distributed_arguments(parser)
     return parser
 
 
@@ -73,7 +76,8 @@ def run(args) -> int:
         mx.random.seed(args.seed)
     if args.model == DEMO:
         print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
+    loader = pipeline_loader(args) if args.pipeline else load
+    model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
     with wired_limit(model):
         response = _reply(args, model, tokenizer)
     print("=" * 10)
@@ -114,6 +118,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as e:  # CheckpointError, ConfigError, CacheError, bad prompt
+    except (ValueError, OSError, DistributedError) as e:  # CheckpointError, ConfigError, ...
         print(f"error: {e}", file=sys.stderr)
         return 1

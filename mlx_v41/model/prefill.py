@@ -42,8 +42,9 @@ class Progress:
 
 
 def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size, embeddings,
-                taps: tuple, teacher, capture, progress: Optional[Callable]):
-    """`Model.forward`: checks the inputs, picks the strategy, runs it atomically."""
+                taps: tuple, teacher, capture, progress: Optional[Callable], runner=None):
+    """`Model.forward`: checks the inputs, picks the strategy, runs it atomically (`runner`:
+    a `Run` subclass, e.g. a pipeline stage's)."""
     from .model import ModelOutput
 
     ids = _as_ids(ids)
@@ -57,7 +58,7 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
     drafting = "dspark" in model
     targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
-    run = Run(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher, capture,
+    run = (runner or Run)(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher, capture,
               Progress(progress, length, cache, len(chunks)))
     if drafting and not taps:  # only the draft rings read them: keep what a ring holds
         run.tap_keep = cache[-1].window.capacity

@@ -1,0 +1,269 @@
+"""Pipeline parallel inference: each rank holds a contiguous range of layers and runs the same
+calls; where the layers pass from one rank to the next, the residual streams, `pre` and exactly
+the shared state the later layers read (new packed rows and index keys of earlier kv owners, top-k
+selections, candidate pools; `split.crossing`) are sent. Layers of other ranks are
+`RemoteBlock`s, and the rows they would compute are *ghosts*: arrays of the right batch and
+row count with an empty feature axis, so the prefill strategies (`model/prefill.py`) run
+unchanged on every rank. Later ranks keep a mirror of the kv owners they read
+(`MirrorKV`). The last rank's logits reach every rank by `all_sum`, so every rank samples the
+same token (the same seed on every rank). Exact: every layer runs the ops it runs in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache.layer import CacheError, CompressedKV, LayerCache
+from ..model.engram import engram_rows
+from ..model.model import Block, Model
+from ..model.prefill import Run, run_forward
+from .link import Link
+from .split import SplitError, balanced_split, crossing, parse_split
+
+
+def ghost(batch: int, rows: int, hc: int):
+    """Stand-ins for another rank's streams [B, rows, hc, 0] and `pre` [B, rows, hc]."""
+    return (mx.zeros((batch, rows, hc, 0), mx.bfloat16),
+            mx.zeros((batch, rows, hc), mx.float32))
+
+
+def is_ghost(streams: mx.array) -> bool:
+    return streams.shape[-1] == 0
+
+
+class Stage:
+    """This rank's layers and its boundaries with its neighbours."""
+
+    def __init__(self, link: Link, ranges: list, roles, cfg):
+        self.link, self.ranges, self.rank = link, ranges, link.rank
+        self.roles, self.hc = roles, cfg.hc_mult
+        n = cfg.num_hidden_layers
+        self.owner = [r for r, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        self.crossings = {a: crossing(roles, n, a, cfg.candidate_source_layer_id)
+                          for a, _ in ranges[1:]}
+        start = ranges[self.rank][0]
+        self.mirrors = set(self.crossings[start].owners) if start else set()
+        self.hashes = any(self.owns(e) for e in cfg.engram_layer_ids)
+        self.ratios = cfg.compress_ratios
+        self.delivered, self.start = {}, 0
+
+    def owns(self, slot: int) -> bool:
+        return self.owner[slot] == self.rank
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.link.size - 1
+
+    def begin(self, start: int) -> None:
+        """A new call at position `start`: every mirror holds the rows of `start` tokens."""
+        self.delivered, self.start = {}, start
+
+    def cross(self, slot: int, streams, pre, state):
+        """Hand the rows entering `slot` from the rank holding them to the rank owning it."""
+        if slot == 0 or slot not in self.crossings:
+            return streams, pre
+        src, dst = self.owner[slot - 1], self.owner[slot]
+        if self.rank == src and not is_ghost(streams):
+            self._send(self.crossings[slot], streams, pre, state, dst)
+            return ghost(streams.shape[0], streams.shape[1], self.hc)
+        if self.rank == dst and is_ghost(streams):
+            return self._receive(self.crossings[slot], state, src)
+        return streams, pre
+
+    def _send(self, plan, streams, pre, state, dst: int) -> None:
+        arrays = [streams, pre]
+        for owner in plan.owners:
+            store = state.shared[owner].store
+            have = self.delivered.get((plan.slot, owner), self.start // self.ratios[owner])
+            new = store.count > have
+            arrays += [store.kv[:, have:store.count] if new else None,
+                       store.index_k[:, have:store.count] if new else None]
+            self.delivered[(plan.slot, owner)] = store.count
+        arrays += [state.shared[k].selections.get(t) for k, t in plan.selections]
+        arrays += [None if state.shared[k].pool is None else state.shared[k].pool.astype(mx.uint8)
+                   for k in plan.pools]
+        self.link.send_arrays(arrays, dst)
+
+    def _receive(self, plan, state, src: int):
+        count = 2 + 2 * len(plan.owners) + len(plan.selections) + len(plan.pools)
+        arrays = self.link.recv_arrays(count, src)
+        streams, pre, rest = arrays[0], arrays[1], arrays[2:]
+        for i, owner in enumerate(plan.owners):
+            kv, ik = rest[2 * i], rest[2 * i + 1]
+            if kv is not None:
+                state.shared[owner].store.append_packed(kv, ik)
+        rest = rest[2 * len(plan.owners):]
+        for (k, t), value in zip(plan.selections, rest):
+            if value is not None:
+                state.shared[k].selections[t] = value
+        for k, value in zip(plan.pools, rest[len(plan.selections):]):
+            if value is not None:
+                state.shared[k].pool = value.astype(mx.bool_)
+        return streams, pre
+
+
+class RemoteBlock(nn.Module):
+    """A layer another rank runs: hands real rows over where the ranks change, passes ghosts."""
+
+    def __init__(self, role, stage: Stage):
+        super().__init__()
+        self.role, self.stage = role, stage
+
+    def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None):
+        streams, pre_in = self.stage.cross(self.role.layer, streams, pre_in, state)
+        if not is_ghost(streams):
+            raise RuntimeError(f"rank {self.stage.rank} holds the rows entering layer "
+                               f"{self.role.layer}, which it does not run")
+        n_in = streams.shape[1]
+        n_out = n_in if n_out is None else n_out
+        return streams[:, n_in - n_out:], pre_in[:, n_in - n_out:]
+
+
+class ReceivingBlock(Block):
+    """This rank's first layer: receives its input rows from the rank before."""
+
+    def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None):
+        streams, pre_in = self.stage.cross(self.role.layer, streams, pre_in, state)
+        return super().__call__(streams, pre_in, state, cache, n_out)
+
+
+class MirrorKV(CompressedKV):
+    """Another rank's kv owner as this rank's readers see it: packed rows only."""
+
+    def __init__(self, ratio: int):
+        super().__init__(ratio, 0)
+
+    def rewind(self, position: int) -> None:
+        self.count = min(self.count, position // self.ratio)
+
+
+class RemoteCache(LayerCache):
+    """The cache slot of another rank's layer: empty, or a mirror of a kv owner this rank's
+    layers (or later ranks') read. Its rollback is the owning rank's (ranks agree on the
+    model's budget after every call, `PipelineModel.forward`)."""
+
+    def __init__(self, window: int, ratio: int, mirrored: bool, has_engram: bool):
+        super().__init__(window, ratio, False, has_engram)
+        if mirrored:
+            self.compressed = MirrorKV(ratio)
+
+    def exact_limit(self) -> int:
+        return self.offset
+
+    def check(self, layer: int) -> None:
+        kv = self.compressed
+        if kv is not None and kv.count != self.offset // kv.ratio:
+            raise CacheError(f"layer {layer}: the mirrored compressed row count is {kv.count} "
+                             f"but the cache offset is {self.offset}")
+
+
+class PipelineRun(Run):
+    """`Run` on one stage: embeddings on rank 0, Engram rows where its layers are, the rows
+    entering the first decoder layer handed to its rank (its compressor reads them)."""
+
+    def __init__(self, model, cache, start, *args):
+        super().__init__(model, cache, start, *args)
+        self.stage = model.stage
+        self.stage.begin(start)
+
+    def encode(self, ids, embeddings, start: int):
+        text, stage = self.text, self.stage
+        state = self.state(start, start + ids.shape[1])
+        if stage.hashes:
+            state.engram_rows = engram_rows(self.model.engram_hasher,
+                                            self.model.cfg.engram_layer_ids, ids, self.cache)
+        if stage.first:
+            x = text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
+            streams, pre = text.residual_input(x)
+        else:
+            streams, pre = ghost(ids.shape[0], ids.shape[1], text.hc_mult)
+        streams, pre = text.encoder_stack(streams, pre, state, self.cache)
+        if text.decoder_start < len(text.layers):
+            streams, pre = stage.cross(text.decoder_start, streams, pre, state)
+        return state, streams, pre
+
+    def precompress(self, state, streams, pre) -> None:
+        if self.stage.owns(self.text.decoder_start):
+            super().precompress(state, streams, pre)
+
+
+class PipelineModel(Model):
+    """A `Model` holding one rank's share: build with `load_pipeline` (or `load_model(...,
+    build=...)`); calls and caches as `Model`'s, run by every rank together."""
+
+    partial = True  # the loaders skip other ranks' tensors
+
+    def __init__(self, args, link: Link, split: Optional[str] = None, **options):
+        if options.get("dspark"):
+            raise SplitError("--pipeline does not run the DSpark drafter yet; load it with "
+                             "dspark=False (--no-dspark)")
+        super().__init__(args, **options)
+        n = self.cfg.num_hidden_layers
+        ranges = parse_split(split, n, link.size) if split not in (None, "auto") \
+            else balanced_split(self, link.size)
+        self.ranges = ranges
+        self.stage = Stage(link, ranges, self.roles, self.cfg)
+        self._prune()
+
+    def _prune(self) -> None:
+        text, stage = self.model, self.stage
+        for i, role in enumerate(self.roles[:self.cfg.num_hidden_layers]):
+            if not stage.owns(i):
+                text.layers[i] = RemoteBlock(role, stage)
+            elif i == self.ranges[stage.rank][0] and i > 0:
+                # The built block becomes a receiving one: no new weights drawn, so the random
+                # key stays the one a single process holds after loading (same samples).
+                text.layers[i].__class__ = ReceivingBlock
+                text.layers[i].stage = stage
+        if not stage.first:
+            text.pop("embed_tokens")
+        if not stage.last:
+            text.norm = nn.Identity()
+            self.pop("lm_head")
+
+    def make_cache(self) -> list:
+        cfg, stage = self.cfg, self.stage
+        return [LayerCache(cfg.sliding_window, role.ratio, role.mode == "full",
+                           role.engram_index is not None) if stage.owns(i) else
+                RemoteCache(cfg.sliding_window, role.ratio, i in stage.mirrors,
+                            role.engram_index is not None)
+                for i, role in enumerate(self.roles[:cfg.num_hidden_layers])]
+
+    def forward(self, ids, cache: Optional[list] = None, *, last_only: bool = False,
+                step_size: Optional[int] = None, input_embeddings=None, taps: tuple = (),
+                teacher=None, capture=None, progress=None):
+        if taps or teacher is not None:
+            raise ValueError("a pipeline forward has no taps or teacher forcing")
+        cache = self.make_cache() if cache is None else cache
+        out = run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
+                          embeddings=input_embeddings, taps=(), teacher=None, capture=capture,
+                          progress=progress, runner=PipelineRun)
+        budget = self.stage.link.all_gather(mx.array([cache[0].trim_budget], mx.int32),
+                                            "agreeing on the rollback budget")
+        for c in cache:
+            c.trim_budget = int(mx.min(budget).item())
+        return out
+
+    def head(self, hidden: mx.array, last_only: bool) -> mx.array:
+        if is_ghost(hidden):
+            rows = 1 if last_only else hidden.shape[1]
+            logits = mx.zeros((hidden.shape[0], rows, self.cfg.vocab_size), mx.float32)
+        else:
+            logits = super().head(hidden, last_only)
+        return self.stage.link.all_sum(logits, "gathering the logits")
+
+
+def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
+    """This rank's `PipelineModel` from its local copy of the folder (and the tokenizer)."""
+    from ..checkpoint.source import load
+
+    options.setdefault("dspark", False)
+    return load(path, build=lambda args, **kw: PipelineModel(args, link, split, **kw),
+                **options)

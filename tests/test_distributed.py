@@ -1,0 +1,155 @@
+"""Pipeline parallel over real processes: `mlx.launch` (ring backend over localhost) runs
+tests/distributed_worker.py or mlx_v41.generate on 2-3 ranks; the logits must equal one
+process's bit for bit. Failures: a rank that cannot load, mismatched weights, a rank killed
+mid-generation end every rank with one line naming the rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_v41.checkpoint.load import load_model
+from mlx_v41.checkpoint.loader import data_start
+from mlx_v41.checkpoint.safetensors_io import SafetensorsFile
+from mlx_v41.cli.generate import main as generate_main
+
+from conftest import golden_checkpoint, writable_copy
+from distributed_worker import scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("distributed_worker.py")
+TIMEOUT = 120
+
+
+def launch(n: int, *command, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = ["mlx.launch", "-n", str(n), "--python", sys.executable, "--", *map(str, command)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def reference(checkpoint: Path) -> dict:
+    return scenario(lambda mode: load_model(checkpoint, prefill_mode=mode, dspark=False),
+                    checkpoint)
+
+
+def run_worker(n: int, checkpoint, split: str, out: Path) -> list:
+    result = launch(n, WORKER, checkpoint, split, out)
+    assert (out / "logits.npz").is_file(), result.stdout + result.stderr
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def check_exact(out: Path, expected: dict) -> None:
+    got = np.load(out / "logits.npz")
+    for name, value in expected.items():
+        assert got[name].shape == value.shape, name
+        assert np.array_equal(got[name], value), f"{name}: max |diff| " \
+            f"{np.abs(got[name] - value).max()}"
+
+
+def test_three_ranks_split_inside_owner_groups(tmp_path):
+    """Schedule (40 layers, the published roles): ranks [0, 10) [10, 26) [26, 40). Layer 10
+    reads owner 8's rows, 26/27 reuse index layer 24's top-k and owner 20's rows, Engram 1 and
+    14 sit on different ranks, and the CED encoder/decoder boundary (20) is inside rank 1."""
+    checkpoint = golden_checkpoint("schedule")
+    reports = run_worker(3, checkpoint, "10,26", tmp_path)
+    assert reports[0]["ranges"] == [[0, 10], [10, 26], [26, 40]]
+    check_exact(tmp_path, reference(checkpoint))
+
+
+def test_two_ranks_exact_and_memory(tmp_path):
+    """Tiny (12 layers, decoder from 7), the split chosen by weight bytes; each rank holds
+    only its share of the parameters, and the shares add up to the whole model."""
+    checkpoint = golden_checkpoint("tiny")
+    reports = run_worker(2, checkpoint, "auto", tmp_path)
+    check_exact(tmp_path, reference(checkpoint))
+    model = load_model(checkpoint, dspark=False)
+    from mlx.utils import tree_flatten
+    whole = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    shares = [r["params"] for r in reports]
+    assert sum(shares) == whole
+    assert max(shares) < 0.62 * whole, shares  # measured 0.53 / 0.47
+    for r in reports:  # resident memory follows the share (plus rings, RoPE tables)
+        assert r["active"] < 1.6 * r["params"] + 2 ** 20, r
+    # Bytes per decode token, boundary: one row of streams (hc x D bf16) + pre (hc fp32) +
+    # headers + the new rows of the kv owners rank 1 reads; logits: vocab x fp32 per rank.
+    cfg = model.cfg
+    row = cfg.hc_mult * cfg.hidden_size * 2 + cfg.hc_mult * 4
+    sent, reduced = reports[0]["sent"]["decode"]
+    assert row < sent < row + 600, sent
+    assert reduced == cfg.vocab_size * 4
+
+
+def test_generate_cli_pipeline_matches_one_process(tmp_path, capsys):
+    """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7`: rank 0 alone prints, and the
+    sampled text (temperature 0.8, seed 3) is the one-process text."""
+    args = ["--model", golden_checkpoint("tiny"), "-p", "hello", "-m", "10", "--temp", "0.8",
+            "--seed", "3"]
+    result = launch(2, "-m", "mlx_v41.generate", *args, "--pipeline", "7")
+    assert generate_main([str(a) for a in args]) == 0
+    one = capsys.readouterr().out.split("=" * 10)[1]
+    assert result.stdout.count("=" * 10) == 2, result.stdout + result.stderr  # one rank printed
+    assert result.stdout.split("=" * 10)[1] == one
+
+
+def _flip_embedding_byte(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = folder / index["embed.weight"]
+    begin = SafetensorsFile(shard).entries["embed.weight"]["data_offsets"][0]
+    data = bytearray(shard.read_bytes())
+    data[data_start(shard) + begin + 1] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def test_mismatched_weights_and_load_failure_named(tmp_path):
+    """Rank 1 with other weights, then rank 1 with no folder: every rank exits with one line
+    naming rank 1 and the cause."""
+    (tmp_path / "0").symlink_to(golden_checkpoint("tiny").resolve())
+    _flip_embedding_byte(writable_copy(golden_checkpoint("tiny"), tmp_path / "1"))
+    result = launch(2, WORKER, tmp_path / "{rank}", "auto", tmp_path / "out")
+    lines = [ln for ln in result.stderr.splitlines() if "rank 1's weights differ" in ln]
+    assert len(lines) == 2, result.stderr  # one line from each rank
+    import shutil
+    shutil.rmtree(tmp_path / "1")
+    result = launch(2, WORKER, tmp_path / "{rank}", "auto", tmp_path / "out")
+    lines = [ln for ln in result.stderr.splitlines() if "rank 1 could not load" in ln]
+    assert len(lines) == 2 and "model folder not found" in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _free_ports(n: int) -> list:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_killed_rank_ends_the_others(tmp_path):
+    """Two ranks started by hand (no launcher to clean up): rank 1 kills itself during
+    decoding; rank 0 must exit by itself, soon, with one line naming rank 1."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, golden_checkpoint("tiny"), "auto", tmp_path / "out",
+             "--kill-rank", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    tic = time.monotonic()
+    _, err = procs[0].communicate(timeout=TIMEOUT)
+    procs[1].wait(timeout=TIMEOUT)
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1, err
+    lines = [ln for ln in err.splitlines() if "lost rank 1" in ln]
+    assert len(lines) == 1 and lines[0].startswith("rank 0: lost rank 1 while"), err
+    assert time.monotonic() - tic < 60

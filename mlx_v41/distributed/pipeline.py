@@ -203,7 +203,7 @@ class PipelineModel(Model):
     def __init__(self, args, link: Link, split: Optional[str] = None, **options):
         if options.get("dspark"):
             raise SplitError("--pipeline does not run the DSpark drafter yet; load it with "
-                             "dspark=False (--no-dspark)")
+                             "dspark=False (and without --dspark)")
         super().__init__(args, **options)
         n = self.cfg.num_hidden_layers
         ranges = parse_split(split, n, link.size) if split not in (None, "auto") \

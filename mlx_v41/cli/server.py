@@ -14,9 +14,9 @@ import sys
 from typing import Optional
 
 from .args import ArgumentParser, _number, add_model_arguments
+from ..server.routes import DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
-DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
 DEFAULT_PROMPT_CACHE_BYTES = "4G"
 DEFAULT_MAX_CONCURRENT = 32
 SHUTDOWN_GRACE_SECONDS = 5  # open streams get this long after Ctrl-C, then they are cancelled

@@ -28,15 +28,16 @@ from . import responses as out
 
 log = logging.getLogger("mlx_v41.server")
 DEFAULT_MODEL_ALIAS = "default_model"  # mlx-lm's name for the model the server loaded
+DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
 
 
 @dataclass
 class ServerConfig:
-    """What the CLI decides for every request: the served name and the defaults of fields a
-    request leaves out."""
+    """What the CLI decides for every request: the served name and the values of fields a
+    request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings)."""
 
     model_id: str
-    max_tokens: int = 512
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temp: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.0

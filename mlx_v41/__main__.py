@@ -1,4 +1,4 @@
-"""`python -m mlx_v41 <command> ...`: generate, chat, inspect, convert, demo."""
+"""`python -m mlx_v41 <command> ...`: generate, chat, inspect, convert, demo, server."""
 
 import importlib
 import sys
@@ -9,6 +9,7 @@ COMMANDS = {
     "inspect": "mlx_v41.cli.inspect",
     "convert": "mlx_v41.convert.cli",
     "demo": "mlx_v41.cli.demo",
+    "server": "mlx_v41.cli.server",
 }
 USAGE = f"usage: python -m mlx_v41 {{{','.join(COMMANDS)}}} [options]  (options: <command> --help)"
 

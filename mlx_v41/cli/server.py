@@ -1,0 +1,110 @@
+"""`mlx_v41.server`: the OpenAI-compatible HTTP server (mlx-lm's server flags where they exist).
+
+    mlx_v41.server --model demo
+    mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --prompt-cache-dir ~/.cache/mlx_v41/prompts
+    mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --dspark --port 8081
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from typing import Optional
+
+from .args import ArgumentParser, _number, add_model_arguments
+from ..server.routes import DEFAULT_MAX_TOKENS
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
+DEFAULT_PROMPT_CACHE_BYTES = "4G"
+DEFAULT_MAX_CONCURRENT = 32
+SHUTDOWN_GRACE_SECONDS = 5  # open streams get this long after Ctrl-C, then they are cancelled
+SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "KIB": 2**10, "MIB": 2**20,
+              "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "4G", "512MiB", "1e9" or "0" (decimal units as mlx-lm's; binary with "i")."""
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    try:
+        value = float(match.group(1)) * SIZE_UNITS[unit] if match else -1
+    except (ValueError, KeyError):
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4G, 512MiB, 0)")
+    return int(value)
+
+
+def setup_arg_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mlx_v41.server",
+                            description="OpenAI-compatible server for DeepSeek V4.1 Flash.")
+    add_model_arguments(parser, DEFAULT_MAX_TOKENS, None)
+    add = parser.add_argument
+    add("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    add("--port", type=_number(int, 0, 65535, what="a port number"), default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT})")
+    add("--prompt-cache-bytes", type=parse_size, default=parse_size(DEFAULT_PROMPT_CACHE_BYTES),
+        help="bytes of cached prompt prefixes kept in memory, least recently used dropped "
+             f"first (default {DEFAULT_PROMPT_CACHE_BYTES}; 0 turns reuse off)")
+    add("--prompt-cache-dir", default=None,
+        help="folder mirroring the prompt caches on disk: entries are written after each "
+             "reply and loaded at start (only those of this checkpoint, config and "
+             "--prefill-mode / --dspark)")
+    add("--max-concurrent-requests", type=_number(int, 1, what="a positive integer"),
+        default=DEFAULT_MAX_CONCURRENT,
+        help="requests queued or running at most; more get HTTP 429 "
+             f"(default {DEFAULT_MAX_CONCURRENT})")
+    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default INFO)")
+    return parser
+
+
+def build_app(args):
+    """Load the model and make the app (the engine starts with the app)."""
+    import mlx.core as mx
+
+    from ..checkpoint.source import load
+    from ..server.engine import Engine
+    from ..server.prompt_store import PromptCacheStore
+    from ..server.routes import ServerConfig, create_app
+
+    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir)
+    engine = Engine(model, tokenizer, store, prefill_step_size=args.prefill_step_size,
+                    draft="dspark" if args.dspark else None,
+                    num_draft_tokens=args.num_draft_tokens,
+                    draft_confidence=args.draft_confidence,
+                    max_concurrent=args.max_concurrent_requests)
+    config = ServerConfig(model_id=args.model, max_tokens=args.max_tokens, temp=args.temp,
+                          top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
+                          thinking=args.thinking, reasoning_effort=args.reasoning_effort,
+                          system_prompt=args.system_prompt)
+    return create_app(engine, config)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    import uvicorn
+
+    from ..cache.layer import CacheError
+    from ..checkpoint.safetensors_io import CheckpointError
+    from ..model.config import ConfigError
+
+    try:
+        app = build_app(args)
+    except (CheckpointError, ConfigError, CacheError, OSError) as e:
+        print(f"mlx_v41.server: error: {e}", file=sys.stderr)
+        return 1
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+    print("mlx_v41.server: shut down", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The engine: one model, one worker thread that runs requests in arrival order, the prompt
+caches it reuses, and the events it streams back to the asyncio side (one queue per request).
+A request that is cancelled (its client went away) stops at its next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+
+from ..generation.api import prefill, stream_decode, wired_limit
+from ..generation.speculative import Sampling
+from .prompt_store import PromptCacheStore, align_to_tokens
+from .reply_parser import held_suffix
+
+log = logging.getLogger("mlx_v41.server")
+
+
+class EngineBusy(RuntimeError):
+    """Too many requests in flight (HTTP 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down (HTTP 503)."""
+
+
+@dataclass
+class Settings:
+    """How one request decodes. `logprobs`: None, or the alternatives to report per token."""
+
+    max_tokens: int
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stops: list = field(default_factory=list)
+    logprobs: Optional[int] = None
+    processors: list = field(default_factory=list)
+
+
+@dataclass
+class Token:
+    """A generated token and the text it releases (stop-string look-ahead may delay text)."""
+
+    text: str
+    token: int
+    logprob: Optional[float] = None
+    top: Optional[list] = None  # [(token id, logprob)], best first
+
+
+@dataclass
+class Finish:
+    """The end of a request: why, the token counts, and text held back until now."""
+
+    reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str = ""
+
+
+class StopStrings:
+    """Finds the first stop string in streamed text; text that may begin one is held back."""
+
+    def __init__(self, stops):
+        self.stops, self.pending = [s for s in stops if s], ""
+
+    def feed(self, text: str) -> tuple:
+        """(text safe to release, whether a stop string was reached)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        keep = held_suffix(self.pending, self.stops)
+        out, self.pending = self.pending[:len(self.pending) - keep], \
+            self.pending[len(self.pending) - keep:]
+        return out, False
+
+
+class Job:
+    """One request: its prompt and settings, its event queue (filled from the worker thread)
+    and its cancel flag."""
+
+    def __init__(self, prompt: list, settings: Settings, loop: asyncio.AbstractEventLoop):
+        self.prompt, self.settings, self.loop = prompt, settings, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.finish: Optional[Finish] = None
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone: nobody listens any more
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def events(self):
+        """`Token`s then one `Finish`; an exception from the worker is raised here."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, Finish):
+                return
+
+
+class Engine:
+    """Owns the model, its prompt-cache store and the request queue.
+
+    Args:
+        draft: None or "dspark" (the model loaded with dspark=True); with `num_draft_tokens`
+            and `draft_confidence` as in `stream_generate`.
+        max_concurrent: requests queued or running at most; more are refused (EngineBusy).
+    """
+
+    def __init__(self, model, tokenizer, store: PromptCacheStore, *, prefill_step_size=None,
+                 draft: Optional[str] = None, num_draft_tokens: int = 5,
+                 draft_confidence: Optional[float] = None, max_concurrent: int = 32):
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.prefill_step_size, self.max_concurrent = prefill_step_size, max_concurrent
+        self.draft = {} if draft is None else {"draft": draft, "num_draft_tokens":
+                                               num_draft_tokens,
+                                               "draft_confidence": draft_confidence}
+        self.lock = threading.Lock()  # held while the model runs a request
+        self._queue: queue.Queue = queue.Queue()
+        self._jobs: set = set()
+        self._jobs_lock = threading.Lock()
+        self._closing = False
+        self._ready = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.last_finish: Optional[Finish] = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the worker; returns once the persisted prompt caches are loaded."""
+        self._thread = threading.Thread(target=self._work, name="mlx_v41-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def close(self) -> None:
+        """Cancel what is queued or running, write new prompt caches, stop the worker."""
+        with self._jobs_lock:
+            self._closing = True
+            for job in self._jobs:
+                job.cancel()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, prompt: list, settings: Settings) -> Job:
+        job = Job(prompt, settings, asyncio.get_running_loop())
+        with self._jobs_lock:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            if len(self._jobs) >= self.max_concurrent:
+                raise EngineBusy(f"the server is busy: {len(self._jobs)} requests in flight "
+                                 f"(--max-concurrent-requests {self.max_concurrent}); retry")
+            self._jobs.add(job)
+        self._queue.put(job)
+        return job
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _work(self) -> None:
+        try:
+            loaded = self.store.load_folder()
+            if loaded:
+                log.info("loaded %d prompt caches from %s", loaded, self.store.folder)
+        except Exception:  # e.g. an unreadable folder: serve without the persisted caches
+            log.exception("prompt caches not loaded from %s", self.store.folder)
+        finally:
+            self._ready.set()
+        while (job := self._queue.get()) is not None:
+            self._serve(job)
+        self._flush()
+        # This thread's MLX streams end with it (MLX aborts at exit on streams of a thread
+        # that is gone).
+        mx.synchronize()
+        mx.clear_streams()
+
+    def _serve(self, job: Job) -> None:
+        try:
+            if job.cancelled.is_set():
+                result = Finish("cancelled", len(job.prompt), 0, 0)
+            else:
+                with self.lock, wired_limit(self.model):
+                    result = self._run(job)
+            job.finish = self.last_finish = result
+        except Exception as e:  # the request fails; the server and its caches stay as they were
+            log.exception("request failed")
+            result = e
+        finally:
+            with self._jobs_lock:  # before the reply, so its client may send the next at once
+                self._jobs.discard(job)
+        job.put(result)
+        self._flush()  # after the reply: a slow disk delays the next request only
+
+    def _flush(self) -> None:
+        try:
+            self.store.flush()
+        except Exception:  # the worker must survive whatever the disk does
+            log.exception("prompt caches not written to %s", self.store.folder)
+
+    def _run(self, job: Job) -> Finish:
+        settings = job.settings
+        if settings.seed is not None:
+            mx.random.seed(settings.seed)
+        state = self.store.fetch(job.prompt)
+        cached = len(state.tokens)
+        todo = job.prompt[cached:]
+        tic = time.perf_counter()
+        logits = prefill(self.model, todo, state.cache, self.prefill_step_size)
+        seconds = time.perf_counter() - tic
+        state.tokens.extend(todo)
+        snapshot = state.copy()  # the prompt: a thinking-mode next turn resumes here
+        tokens, reason, tail = self._decode(job, state, logits, len(todo), seconds)
+        state.tokens.extend(tokens)
+        self.store.insert(snapshot)  # only now: a failed request leaves the store as it was
+        if align_to_tokens(state):
+            self.store.insert(state)
+        log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s), %d generated, %s",
+                 len(job.prompt), cached, len(todo), seconds, len(tokens), reason)
+        return Finish(reason, len(job.prompt), len(tokens), cached, tail)
+
+    def _decode(self, job: Job, state, logits, prefilled: int, seconds: float) -> tuple:
+        """Stream the reply's tokens to the job; (tokens, finish reason, held text)."""
+        settings, stops = job.settings, StopStrings(job.settings.stops)
+        tokens, reason = [], "length"
+        responses = stream_decode(
+            self.model, self.tokenizer, logits, state.cache, prompt_tokens=prefilled,
+            prompt_seconds=seconds, max_tokens=settings.max_tokens, sampler=self._sampler(settings),
+            logits_processors=settings.processors or None, history=job.prompt, **self.draft)
+        try:
+            for response in responses:
+                tokens.append(response.token)
+                text, is_stopped = stops.feed(response.text)
+                job.put(Token(text, response.token, *self._logprobs(response, settings.logprobs)))
+                reason = response.finish_reason or reason
+                if is_stopped:
+                    return tokens, "stop", ""
+                if job.cancelled.is_set():
+                    return tokens, "cancelled", ""
+        finally:
+            responses.close()
+        return tokens, reason, stops.pending
+
+    def _sampler(self, settings: Settings):
+        top_k = max(settings.top_k, 0)
+        if self.draft:  # speculative sampling is exact only with known settings
+            return Sampling(settings.temp, settings.top_p, settings.min_p, top_k)
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(settings.temp, settings.top_p, settings.min_p, top_k=top_k)
+
+    def _logprobs(self, response, count: Optional[int]) -> tuple:
+        """(logprob of the token, [(id, logprob)] of the `count` best), or Nones."""
+        if count is None or response.token in self.tokenizer.eos_token_ids:
+            return None, None
+        row = response.logprobs
+        chosen = row[response.token].item()
+        if count == 0:
+            return chosen, []
+        best = mx.argpartition(-row, count - 1)[:count]
+        values = row[best]
+        order = mx.argsort(-values)
+        return chosen, list(zip(best[order].tolist(), values[order].tolist()))

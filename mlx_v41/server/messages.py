@@ -1,0 +1,102 @@
+"""OpenAI chat requests in V4.1's terms: messages as the chat format's dicts, the thinking mode
+and reasoning effort, `tool_choice`, and the one place image parts are handled.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..chat import format as cf
+from .protocol import ChatCompletionRequest, ChatMessage, RequestError
+
+# OpenAI's reasoning_effort names on V4.1's scale; V4.1's own (low, high, max, 1-100) pass.
+OPENAI_EFFORTS = {"minimal": "low", "medium": "high", "xhigh": "max"}
+NO_REASONING = "none"  # OpenAI's "no reasoning": V4.1's chat mode
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
+def check_images(message: ChatMessage, where: str, has_vision: bool = False) -> None:
+    """Image parts need a vision tower, which this model does not have yet (the place to
+    collect them for one)."""
+    for k, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        if part.type in IMAGE_PART_TYPES and not has_vision:
+            raise RequestError(f"{where}.content[{k}]: image input needs a vision tower, which "
+                               "this model does not have (images are not supported yet)",
+                               param=f"{where}.content[{k}]", code="unsupported_content")
+
+
+def _content(message: ChatMessage, where: str):
+    """Message content for the chat format: a string, or its text parts."""
+    if not isinstance(message.content, list):
+        return message.content
+    blocks = []
+    for k, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise RequestError(f"{where}.content[{k}]: content part type {part.type!r} is not "
+                               "supported (text parts only)", param=f"{where}.content[{k}]")
+        blocks.append({"type": "text", "text": part.text})
+    return blocks
+
+
+def _tool_calls(message: ChatMessage) -> list:
+    return [{"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            for call in message.tool_calls or ()]
+
+
+def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] = None) -> list:
+    """The request's messages as `chat.format` dicts (developer messages are system
+    messages); `system_prompt` opens a conversation that has no system message."""
+    out = []
+    for k, message in enumerate(request.messages):
+        where = f"messages[{k}]"
+        check_images(message, where)
+        entry = {"role": "system" if message.role == "developer" else message.role,
+                 "content": _content(message, where)}
+        if message.role == "assistant":
+            reasoning = message.reasoning_content or message.reasoning
+            if reasoning:
+                entry["reasoning_content"] = reasoning
+            if message.tool_calls:
+                entry["tool_calls"] = _tool_calls(message)
+        if message.role == "tool":
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    if system_prompt and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out
+
+
+def thinking_mode(request: ChatCompletionRequest, default_thinking: bool, default_effort):
+    """(thinking, reasoning_effort) from `chat_template_kwargs.thinking` (or
+    `enable_thinking`) and `reasoning_effort`; "none" is chat mode, an effort alone turns
+    thinking on."""
+    kwargs = request.chat_template_kwargs or {}
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+    if thinking is not None and not isinstance(thinking, bool):
+        raise RequestError("chat_template_kwargs.thinking must be true or false",
+                           param="chat_template_kwargs.thinking")
+    effort = request.reasoning_effort
+    if effort == NO_REASONING:
+        return False, default_effort
+    effort = OPENAI_EFFORTS.get(effort, effort)
+    if effort is not None:
+        try:
+            cf.resolve_reasoning_effort(effort)
+        except ValueError as e:
+            raise RequestError(str(e), param="reasoning_effort") from None
+    if thinking is None:
+        thinking = default_thinking if effort is None else True
+    return thinking, default_effort if effort is None else effort
+
+
+def allows_tool_calls(request: ChatCompletionRequest) -> bool:
+    """Whether a DSML block may be generated: `tool_choice` "auto" (the default) or "none"
+    (the tools stay in the prompt, so its cache is the same; the DSML token is masked)."""
+    choice = request.tool_choice
+    if choice in (None, "auto"):
+        return True
+    if choice == "none":
+        return False
+    raise RequestError(f"tool_choice {choice!r} is not supported (only 'auto' and 'none')",
+                       param="tool_choice")

@@ -1,0 +1,45 @@
+"""Logits processors a request asks for: OpenAI's penalties and `logit_bias` (mlx-lm's
+`make_logits_processors`), and the mask that keeps `tool_choice: "none"` from opening a DSML
+tool-call block.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..chat import format as cf
+from .protocol import RequestError
+
+
+def request_processors(body, tokenizer, vocab: int, allow_calls: bool) -> list:
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors = make_logits_processors(
+        logit_bias=_logit_bias(body.logit_bias, vocab),
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty or None,
+        frequency_penalty=body.frequency_penalty or None)
+    dsml = tokenizer.convert_tokens_to_ids(cf.DSML)
+    if not allow_calls and isinstance(dsml, int):
+        processors.append(ban_token(dsml))
+    return processors
+
+
+def _logit_bias(bias, vocab: int):
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isdigit() and int(key) < vocab):
+            raise RequestError(f"logit_bias key {key!r} is not a token id in 0..{vocab - 1}",
+                               param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def ban_token(token: int):
+    """A processor that gives `token` no probability."""
+    def processor(tokens, logits):
+        banned = mx.arange(logits.shape[-1]) == token
+        return mx.where(banned, -mx.inf, logits)
+    return processor

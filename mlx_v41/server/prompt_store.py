@@ -1,0 +1,220 @@
+"""The server's prompt caches: an LRU of cached token prefixes bounded in bytes (`cache_bytes`),
+reused by the longest common token prefix, optionally mirrored in a folder so that a restarted
+server starts warm. Files carry the model's fingerprints (config, weights, prefill mode) and are
+refused for any other model. mlx-lm's `LRUPromptCache` is not used: it deep-copies caches and
+trims with its own helpers, while ours copy for free and roll back only as far as
+`trim_cache` stays exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.layer import CacheError, cache_bytes, trim_cache
+from ..cache.persistence import fingerprints, load_prompt_cache
+from ..generation.prompt_reuse import PromptCache, write_prompt_cache
+
+log = logging.getLogger("mlx_v41.server")
+
+ENTRY_FORMAT = "mlx_v41.server_prompt_cache.v1"
+SUFFIX = ".safetensors"
+
+
+@dataclass
+class _Entry:
+    """One cached prefix: the cache, its tokens (also as an array for fast prefix matching),
+    its bytes, when it was last used and its file (when persisted)."""
+
+    state: PromptCache
+    ids: np.ndarray
+    nbytes: int
+    used: int
+    path: Optional[Path] = None
+    is_written: bool = False
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _rollback(cache: list) -> int:
+    """Tokens `trim_cache` can undo exactly on this cache."""
+    return min(c.max_trim() for c in cache)
+
+
+class PromptCacheStore:
+    """Cached prefixes of one model, at most `max_bytes` in all (counted per entry with
+    `cache_bytes`; entries share unchanged arrays, so real memory is at most this).
+
+    `fetch` returns a rewound copy (the stored entry is never changed), `insert` takes a state
+    the caller no longer uses, `flush` writes new entries to `folder`. Not thread-safe: the
+    engine's worker thread is its only user.
+    """
+
+    def __init__(self, model, max_bytes: int, folder=None):
+        self.model, self.max_bytes = model, max_bytes
+        self.folder = None if folder is None else Path(folder)
+        self.entries: list[_Entry] = []
+        self._clock = 0
+        self._identity = json.dumps(fingerprints(model), sort_keys=True)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def fetch(self, prompt: list) -> PromptCache:
+        """A copy of the entry sharing the longest prefix with `prompt`, rewound to it (at
+        least one prompt token is left to run), or an empty cache."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        ranked = sorted(self.entries, key=lambda e: -common_prefix(e.ids, ids))
+        for entry in ranked:
+            if common_prefix(entry.ids, ids) == 0:
+                break
+            trial = entry.state.copy()
+            if trial.rewind_for(prompt) is not None:
+                entry.used = self._tick()
+                _touch(entry)
+                return trial
+        return PromptCache(self.model.make_cache())
+
+    def insert(self, state: PromptCache) -> Optional[_Entry]:
+        """Keep `state` (its cache must hold exactly its tokens); returns its entry, or None
+        when it is not kept. An entry the new one extends within its exact rollback is
+        dropped; the new one is not kept when an entry covers it or it alone is over budget."""
+        if not state.tokens or state.cache[0].offset != len(state.tokens):
+            return None
+        entry = _Entry(state, np.asarray(state.tokens, dtype=np.int64),
+                       cache_bytes(state.cache)["total"], self._tick())
+        if entry.nbytes > self.max_bytes:
+            return None
+        # Stored arrays must be computed, not graphs (a prefill leaves the compressors' input
+        # rings lazy): a graph keeps its inputs alive, and MLX aborts at exit when it frees one
+        # built on a thread that has ended.
+        mx.eval([c.state for c in state.cache])
+        for old in list(self.entries):
+            if _covers(old, entry) and len(old.ids) > len(entry.ids):
+                old.used = entry.used
+                return None
+            if _covers(entry, old):
+                self._drop(old)
+        self.entries.append(entry)
+        while self.nbytes > self.max_bytes:
+            self._drop(min(self.entries, key=lambda e: e.used))
+        return entry
+
+    def _drop(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        if entry.path is not None:
+            entry.path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ persistence
+
+    def _file_for(self, tokens: list) -> Path:
+        digest = hashlib.sha256(self._identity.encode())
+        digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
+        return self.folder / f"prompt-{digest.hexdigest()[:32]}{SUFFIX}"
+
+    def flush(self) -> None:
+        """Write the entries not on disk yet (atomically; a failed write is logged and the
+        entry stays in memory only)."""
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for entry in self.entries:
+            if entry.is_written:
+                continue
+            entry.path = entry.path or self._file_for(entry.state.tokens)
+            try:
+                write_prompt_cache(entry.path, entry.state.cache, self.model,
+                                   {"format": ENTRY_FORMAT,
+                                    "tokens": json.dumps(entry.state.tokens)})
+                entry.is_written = True
+            except OSError as e:
+                log.warning("prompt cache not persisted: %s", e)
+                entry.path = None
+
+    def load_folder(self) -> int:
+        """Load the folder's entries of this model, most recently used first, as far as
+        `max_bytes` allows (ours that do not fit are deleted); files of another model or
+        version are refused (logged, kept). Returns the entries loaded."""
+        if self.folder is None:
+            return 0
+        self.folder.mkdir(parents=True, exist_ok=True)
+        files = sorted((p for p in self.folder.glob(f"*{SUFFIX}") if not p.name.startswith(".")),
+                       key=lambda p: -p.stat().st_mtime)  # dot files: interrupted writes
+        loaded = []
+        for path in files:
+            state = self._read(path)
+            if state is None:
+                continue
+            fits = self.nbytes + cache_bytes(state.cache)["total"] <= self.max_bytes
+            entry = self.insert(state) if fits else None
+            if entry is None:
+                path.unlink(missing_ok=True)
+                continue
+            entry.path, entry.is_written = path, True
+            loaded.append(entry)
+        for entry in reversed(loaded):  # the newest file is the most recently used
+            entry.used = self._tick()
+        return len(self.entries)
+
+    def _read(self, path: Path) -> Optional[PromptCache]:
+        try:
+            cache, meta = load_prompt_cache(path, self.model, return_metadata=True)
+        except CacheError as e:
+            log.warning("prompt cache refused: %s", e)
+            return None
+        if meta.get("format") != ENTRY_FORMAT:
+            log.warning("prompt cache refused: %s: not a server prompt-cache entry", path)
+            return None
+        tokens = json.loads(meta["tokens"])
+        if cache[0].offset != len(tokens):
+            log.warning("prompt cache refused: %s: %d tokens listed for %d cached positions",
+                        path, len(tokens), cache[0].offset)
+            return None
+        return PromptCache(cache, tokens)
+
+
+def _touch(entry: _Entry) -> None:
+    """Mark a persisted entry used, so the folder keeps the LRU order across restarts."""
+    if entry.path is not None and entry.is_written:
+        try:
+            os.utime(entry.path)
+        except OSError:  # removed behind our back: the next flush writes it again
+            entry.path, entry.is_written = None, False
+
+
+def _covers(big: _Entry, small: _Entry) -> bool:
+    """`big` can stand in for `small`: its tokens extend `small`'s and it can roll back to
+    them exactly."""
+    extra = len(big.ids) - len(small.ids)
+    return (extra >= 0 and common_prefix(big.ids, small.ids) == len(small.ids)
+            and extra <= _rollback(big.state.cache))
+
+
+def align_to_tokens(state: PromptCache) -> bool:
+    """Make the cache hold exactly `state.tokens` (a speculative stream stopped early may have
+    fed drafts it did not yield). False when that needs more rollback than is exact."""
+    extra = state.cache[0].offset - len(state.tokens)
+    if extra == 0:
+        return True
+    try:
+        trim_cache(state.cache, extra)
+    except CacheError:
+        return False
+    return True

@@ -1,0 +1,141 @@
+"""Response bodies in OpenAI's shapes: chat completion messages and stream chunks (reasoning
+as `reasoning_content` and `reasoning`, tool calls with ids), completions, usage, logprobs,
+errors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Optional
+
+from .engine import Finish
+from .reply_parser import Delta, Reply
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(finish: Finish) -> dict:
+    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
+
+
+def finish_reason(finish: Finish, has_calls: bool = False) -> str:
+    if finish.reason == "stop" and has_calls:
+        return "tool_calls"
+    return finish.reason
+
+
+class TokenText:
+    """Token ids as the text and bytes OpenAI's logprobs report."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.table = getattr(tokenizer.detokenizer, "token_bytes", None)
+
+    def bytes(self, token: int) -> bytes:
+        if self.table is not None and token < len(self.table):
+            return self.table[token]
+        return self.tokenizer.decode([token]).encode()
+
+    def entry(self, token: int, logprob: float) -> dict:
+        raw = self.bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                "bytes": list(raw)}
+
+    def chat_logprobs(self, tokens: list) -> Optional[dict]:
+        """`choices[].logprobs` of a chat completion for these `Token`s (None without)."""
+        content = [dict(self.entry(t.token, t.logprob),
+                        top_logprobs=[self.entry(i, lp) for i, lp in t.top])
+                   for t in tokens if t.logprob is not None]
+        return {"content": content} if content else None
+
+    def completion_logprobs(self, tokens: list, offset: int) -> Optional[dict]:
+        """The legacy completions shape; `offset`: characters of text before these tokens."""
+        kept = [t for t in tokens if t.logprob is not None]
+        if not kept:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in kept:
+            out["tokens"].append(self.entry(t.token, t.logprob)["token"])
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({self.entry(i, lp)["token"]: lp for i, lp in t.top})
+            out["text_offset"].append(offset)
+            offset += len(t.text)
+        return out
+
+
+class ChatStream:
+    """Builds the chunks of one streamed chat completion."""
+
+    def __init__(self, model_id: str, token_text: TokenText):
+        self.id, self.created, self.model = new_id("chatcmpl-"), int(time.time()), model_id
+        self.token_text, self.call_ids = token_text, []
+
+    def chunk(self, delta: dict, reason: Optional[str] = None, tokens=()) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": self.token_text.chat_logprobs(
+            list(tokens)), "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self, finish: Finish) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": usage(finish)}
+
+    def delta(self, d: Delta) -> dict:
+        if d.kind in ("reasoning", "content"):
+            return {"reasoning_content": d.text, "reasoning": d.text} \
+                if d.kind == "reasoning" else {"content": d.text}
+        if d.kind == "call":
+            self.call_ids.append(new_id("call_"))
+            return {"tool_calls": [{"index": d.index, "id": self.call_ids[d.index],
+                                    "type": "function",
+                                    "function": {"name": d.text, "arguments": ""}}]}
+        return {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+
+
+def chat_completion(model_id: str, reply: Reply, finish: Finish, tokens: list,
+                    token_text: TokenText) -> dict:
+    """A whole (non-streamed) chat completion."""
+    message = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+    if reply.reasoning:
+        message["reasoning_content"] = message["reasoning"] = reply.reasoning
+    if reply.calls:
+        message["tool_calls"] = [{"id": new_id("call_"), "type": "function", "function": call}
+                                 for call in reply.calls]
+    choice = {"index": 0, "message": message, "logprobs": token_text.chat_logprobs(tokens),
+              "finish_reason": finish_reason(finish, bool(reply.calls))}
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
+            "model": model_id, "choices": [choice], "usage": usage(finish)}
+
+
+def completion_chunk(cid: str, created: int, model_id: str, text: str,
+                     logprobs: Optional[dict], reason: Optional[str]) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": reason}]}
+
+
+def completion(model_id: str, tokens: list, finish: Finish, token_text: TokenText) -> dict:
+    text = "".join(t.text for t in tokens) + finish.text
+    body = completion_chunk(new_id("cmpl-"), int(time.time()), model_id, text,
+                            token_text.completion_logprobs(tokens, 0), finish_reason(finish))
+    body["usage"] = usage(finish)
+    return body
+

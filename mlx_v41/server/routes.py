@@ -1,0 +1,300 @@
+"""The FastAPI app: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`GET /health`. Routes validate, render the prompt and hand it to the engine; errors come back
+in OpenAI's JSON shape; a client that goes away cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..generation.api import PromptTooLongError, check_context
+from .engine import Engine, EngineBusy, EngineClosed, Settings, Token
+from .messages import allows_tool_calls, chat_messages, thinking_mode
+from .processors import request_processors
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from .reply_parser import Reply, ReplyParser, parse_reply
+from . import responses as out
+
+log = logging.getLogger("mlx_v41.server")
+DEFAULT_MODEL_ALIAS = "default_model"  # mlx-lm's name for the model the server loaded
+DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
+
+
+@dataclass
+class ServerConfig:
+    """What the CLI decides for every request: the served name and the values of fields a
+    request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings)."""
+
+    model_id: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    thinking: bool = True
+    reasoning_effort: object = None
+    system_prompt: Optional[str] = None
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name not in (None, self.model_id, Path(self.model_id).name, DEFAULT_MODEL_ALIAS):
+            raise RequestError(f"the model {name!r} does not exist: this server serves "
+                               f"{self.model_id!r}", status=404, param="model",
+                               code="model_not_found")
+
+
+def create_app(engine: Engine, config: ServerConfig,
+               logits_processors: Optional[Callable] = None) -> FastAPI:
+    """The app over a (not yet started) engine; its lifespan starts and closes the engine.
+
+    `logits_processors(request, prompt_ids)`, when given, returns extra mlx-lm logits
+    processors for a request (an embedding application's hook, e.g. constrained decoding).
+    """
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await asyncio.to_thread(engine.start)  # loads the persisted prompt caches
+        yield
+        await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="mlx_v41", lifespan=lifespan)
+    app.state.engine, app.state.config = engine, config
+    app.state.logits_processors = logits_processors
+    app.state.token_text = out.TokenText(engine.tokenizer)
+    _add_error_handlers(app)
+    _add_routes(app)
+    return app
+
+
+def _error(status: int, message: str, **fields) -> JSONResponse:
+    return JSONResponse(out.error_body(message, **fields), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request, e: RequestError):
+        return _error(e.status, str(e), kind=e.kind, param=e.param, code=e.code)
+
+    @app.exception_handler(EngineBusy)
+    async def busy(request, e):
+        return _error(429, str(e), kind="rate_limit_error", code="server_busy")
+
+    @app.exception_handler(EngineClosed)
+    async def closed(request, e):
+        return _error(503, str(e), kind="server_error", code="shutting_down")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return _error(e.status_code, str(e.detail), kind="invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal(request, e):
+        log.exception("request failed")
+        return _error(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {"id": app.state.config.model_id, "object": "model", "created": 0,
+                 "owned_by": "mlx_v41"}
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_body(ChatCompletionRequest, await _json(request))
+        app.state.config.check_model(body.model)
+        prompt, thinking, allow_calls = _chat_prompt(app, body)
+        job = _submit(app, body, prompt, allow_calls)
+        if body.stream:
+            return _sse(_chat_stream(app, body, job, thinking), job)
+        return await _until_done(request, job, _chat_result(app, job, thinking))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_body(CompletionRequest, await _json(request))
+        app.state.config.check_model(body.model)
+        job = _submit(app, body, _completion_prompt(app, body), True)
+        if body.stream:
+            return _sse(_completion_stream(app, body, job), job)
+        return await _until_done(request, job, _completion_result(app, job))
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON ({e})") from None
+
+
+def _chat_prompt(app: FastAPI, body: ChatCompletionRequest) -> tuple:
+    """(prompt ids, thinking mode, whether tool calls may be generated)."""
+    config, tokenizer = app.state.config, app.state.engine.tokenizer
+    messages = chat_messages(body, config.system_prompt)
+    thinking, effort = thinking_mode(body, config.thinking, config.reasoning_effort)
+    allow_calls = allows_tool_calls(body)
+    if tokenizer.missing_chat_tokens:
+        raise RequestError(f"the tokenizer has no single token for "
+                           f"{tokenizer.missing_chat_tokens[0]}: use /v1/completions",
+                           param="messages")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                               enable_thinking=thinking,
+                                               reasoning_effort=effort)
+    except ValueError as e:
+        raise RequestError(str(e), param="messages") from None
+    return prompt, thinking, allow_calls
+
+
+def _completion_prompt(app: FastAPI, body: CompletionRequest) -> list:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise RequestError("one prompt per request (a list of prompts is not supported)",
+                               param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return app.state.engine.tokenizer.encode_prompt(prompt)
+    if not prompt:
+        raise RequestError("prompt is empty", param="prompt")
+    vocab = app.state.engine.model.args.text_config.vocab_size
+    if not all(0 <= t < vocab for t in prompt):
+        raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
+    return list(prompt)
+
+
+def _submit(app: FastAPI, body, prompt: list, allow_calls: bool):
+    engine = app.state.engine
+    try:
+        check_context(engine.model, 0, len(prompt))
+    except PromptTooLongError as e:
+        raise RequestError(str(e), param="messages", code="context_length_exceeded") from None
+    return engine.submit(prompt, _settings(app, body, prompt, allow_calls))
+
+
+def _settings(app: FastAPI, body, prompt: list, allow_calls: bool) -> Settings:
+    config, engine = app.state.config, app.state.engine
+    processors = request_processors(body, engine.tokenizer,
+                                    engine.model.args.text_config.vocab_size, allow_calls)
+    if app.state.logits_processors is not None:
+        processors += list(app.state.logits_processors(body, prompt))
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return Settings(max_tokens=pick(body.token_limit(), config.max_tokens),
+                    temp=pick(body.temperature, config.temp), top_p=pick(body.top_p, config.top_p),
+                    min_p=pick(body.min_p, config.min_p), top_k=pick(body.top_k, config.top_k),
+                    seed=body.seed, stops=body.stops(), logprobs=body.logprob_count(),
+                    processors=processors)
+
+
+def _sse(events, job) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for text in events:
+                yield text
+        finally:  # the client went away (or the stream ended): stop the generation
+            if job.finish is None:
+                job.cancel()
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _until_done(request: Request, job, result):
+    """Await a non-streamed result; a client that disconnects first cancels the job."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await result
+    finally:
+        watcher.cancel()
+
+
+async def _collect(job) -> tuple:
+    tokens, finish = [], None
+    async for event in job.events():
+        if isinstance(event, Token):
+            tokens.append(event)
+        else:
+            finish = event
+    return tokens, finish
+
+
+async def _chat_result(app: FastAPI, job, thinking: bool):
+    tokens, finish = await _collect(job)
+    reply = parse_reply("".join(t.text for t in tokens) + finish.text, thinking)
+    return out.chat_completion(app.state.config.model_id, reply, finish, tokens,
+                               app.state.token_text)
+
+
+async def _completion_result(app: FastAPI, job):
+    tokens, finish = await _collect(job)
+    return out.completion(app.state.config.model_id, tokens, finish, app.state.token_text)
+
+
+async def _chat_stream(app: FastAPI, body: ChatCompletionRequest, job, thinking: bool):
+    stream = out.ChatStream(app.state.config.model_id, app.state.token_text)
+    parser, reply, pending = ReplyParser(thinking), Reply(), []
+    yield out.sse(stream.chunk({"role": "assistant", "content": ""}))
+    try:
+        async for event in job.events():
+            deltas = parser.feed(event.text)
+            if isinstance(event, Token):
+                pending.append(event)
+            else:
+                deltas += parser.finish()
+            for d in deltas:
+                reply.add([d])
+                yield out.sse(stream.chunk(stream.delta(d), tokens=pending))
+                pending = []
+    except Exception as e:  # after the headers went out: the error is the stream's last event
+        log.warning("streamed request failed: %s", e)
+        yield out.sse(out.error_body(f"internal error: {type(e).__name__}: {e}",
+                                     kind="server_error"))
+        return
+    finish = job.finish
+    yield out.sse(stream.chunk({}, out.finish_reason(finish, bool(reply.calls)), pending))
+    if body.stream_options and body.stream_options.include_usage:
+        yield out.sse(stream.usage_chunk(finish))
+    yield out.SSE_DONE
+
+
+async def _completion_stream(app: FastAPI, body: CompletionRequest, job):
+    cid, created, model_id = out.new_id("cmpl-"), int(time.time()), app.state.config.model_id
+    offset, token_text = 0, app.state.token_text
+    try:
+        async for event in job.events():
+            tokens = [event] if isinstance(event, Token) else []
+            reason = None if tokens else out.finish_reason(event)
+            yield out.sse(out.completion_chunk(cid, created, model_id, event.text,
+                                               token_text.completion_logprobs(tokens, offset),
+                                               reason))
+            offset += len(event.text)
+    except Exception as e:
+        log.warning("streamed request failed: %s", e)
+        yield out.sse(out.error_body(f"internal error: {type(e).__name__}: {e}",
+                                     kind="server_error"))
+        return
+    if body.stream_options and body.stream_options.include_usage:
+        chunk = out.completion_chunk(cid, created, model_id, "", None, None)
+        chunk["choices"], chunk["usage"] = [], out.usage(job.finish)
+        yield out.sse(chunk)
+    yield out.SSE_DONE

@@ -1,0 +1,262 @@
+"""The server's parts without HTTP: the streaming reply parser against `parse_completion` on
+the official vectors (any split), stop strings, request mapping (thinking, tools, images), the
+prompt-cache LRU (bytes bound, longest prefix, copies), and the CLI's flags and errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from mlx_v41.cache import cache_bytes
+from mlx_v41.chat import format as cf
+from mlx_v41.chat.format import encode_messages, parse_completion
+from mlx_v41.cli import server as cli
+from mlx_v41.generation.api import prefill
+from mlx_v41.generation.prompt_reuse import PromptCache
+from mlx_v41.server.engine import StopStrings
+from mlx_v41.server.messages import allows_tool_calls, chat_messages, thinking_mode
+from mlx_v41.server.prompt_store import PromptCacheStore, align_to_tokens
+from mlx_v41.server.protocol import ChatCompletionRequest, RequestError, parse_body
+from mlx_v41.server.reply_parser import Reply, ReplyParser, parse_reply
+from server_harness import tiny
+
+VECTORS = json.loads((Path(__file__).parent / "data" / "chat_vectors.json").read_text("utf-8"))
+
+
+def vector_completions() -> list:
+    """(text, mode) of every assistant turn of the official vectors that is the last turn's
+    reply, as the model would have generated it (EOS included)."""
+    out = []
+    for case in VECTORS["cases"]:
+        messages, mode = case["messages"], case["thinking_mode"]
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant" or message.get("wo_eos"):
+                continue
+            head = encode_messages(messages[:k], mode, case["reasoning_effort"])
+            full = encode_messages(messages[:k + 1], mode, case["reasoning_effort"])
+            if full.startswith(head) and head.endswith((cf.THINK_START, cf.THINK_END)):
+                out.append((full[len(head):], mode))
+    return out
+
+
+HANDMADE = [
+    ("Plain answer\n\nwith a blank line.", "chat"),
+    ("Let me see.</think>Two calls:\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"a\">\n"
+     "<｜DSML｜ parameter name=\"q\" string=\"false\">{\"k\": [1, 2]}</｜DSML｜ parameter>\n"
+     "<｜DSML｜ parameter name=\"s\" string=\"true\">x \"y\"</｜DSML｜ parameter>\n"
+     "</｜DSML｜ invoke>\n<｜DSML｜ invoke name=\"b\">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>",
+     "thinking"),
+    ("ends with newlines\n\n\n", "chat"),
+]
+
+
+def split_randomly(text: str, seed: int) -> list:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40))))
+    return [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+
+
+@pytest.mark.parametrize("text, mode", vector_completions() + HANDMADE)
+def test_reply_parser_equals_parse_completion_at_any_split(text, mode):
+    text = text.removesuffix(cf.EOS)
+    expected = parse_completion(text + cf.EOS, mode)
+    calls = [call["function"] for call in expected["tool_calls"]]
+    for seed in range(25):
+        parser, reply = ReplyParser(mode == "thinking"), Reply()
+        for part in split_randomly(text, seed):
+            reply.add(parser.feed(part))
+        reply.add(parser.finish())
+        assert (reply.reasoning, reply.content, reply.calls) == \
+            (expected["reasoning_content"], expected["content"], calls), seed
+
+
+def test_vectors_hold_tool_calls():
+    assert sum(cf.CALLS_OPEN in text for text, _ in vector_completions()) >= 1
+
+
+def test_arguments_stream_a_parameter_at_a_time():
+    text = HANDMADE[1][0]
+    parser = ReplyParser(True)
+    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    kinds = [(d.kind, d.index) for d in deltas if d.kind in ("call", "arguments")]
+    assert kinds == [("call", 0), ("arguments", 0), ("arguments", 0), ("arguments", 0),
+                     ("call", 1), ("arguments", 1)]
+
+
+@pytest.mark.parametrize("text, content", [
+    # The block never closes (max_tokens): the open call's JSON is closed, the rest is text.
+    ("Hi\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n<｜DSML｜ param", "\n<｜DSML｜ param"),
+    # Not DSML after the opener: the whole block is content.
+    ("Hi\n\n<｜DSML｜ calls>\nnonsense", "Hi\n\n<｜DSML｜ calls>\nnonsense"),
+])
+def test_malformed_or_unfinished_blocks_become_content(text, content):
+    reply = parse_reply(text, thinking=False)
+    assert reply.content.endswith(content)
+    for call in reply.calls:
+        json.loads(call["arguments"])
+
+
+def test_unfinished_reasoning_stays_reasoning():
+    reply = parse_reply("still thinking </thi", thinking=True)
+    assert (reply.reasoning, reply.content) == ("still thinking </thi", "")
+
+
+def test_stop_strings_across_tokens():
+    stops = StopStrings(["END", "##"])
+    assert stops.feed("abc E") == ("abc ", False)
+    assert stops.feed("N") == ("", False)
+    assert stops.feed("D tail") == ("", True)
+    other = StopStrings(["END"])
+    assert other.feed("xE") == ("x", False) and other.feed("y") == ("Ey", False)
+    assert other.pending == ""
+
+
+def chat_request(**fields) -> ChatCompletionRequest:
+    return parse_body(ChatCompletionRequest,
+                      {"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, (True, None)),
+    ({"chat_template_kwargs": {"thinking": False}}, (False, None)),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, (False, None)),
+    ({"reasoning_effort": "none"}, (False, None)),
+    ({"reasoning_effort": "medium"}, (True, "high")),
+    ({"reasoning_effort": "xhigh"}, (True, "max")),
+    ({"reasoning_effort": 30, "chat_template_kwargs": {"thinking": True}}, (True, 30)),
+])
+def test_thinking_switches(fields, expected):
+    assert thinking_mode(chat_request(**fields), True, None) == expected
+
+
+def test_reasoning_effort_alone_turns_thinking_on():
+    assert thinking_mode(chat_request(reasoning_effort="low"), False, None) == (True, "low")
+
+
+def test_messages_map_to_the_chat_format():
+    body = parse_body(ChatCompletionRequest, {"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "reasoning": "r", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]})
+    assert chat_messages(body, system_prompt="ignored: there is one") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    assert chat_messages(chat_request(), "S")[0] == {"role": "system", "content": "S"}
+
+
+def test_tool_choice_and_unsupported_parts():
+    assert allows_tool_calls(chat_request()) and not allows_tool_calls(
+        chat_request(tool_choice="none"))
+    with pytest.raises(RequestError, match="only 'auto' and 'none'"):
+        allows_tool_calls(chat_request(tool_choice={"type": "function"}))
+    with pytest.raises(RequestError, match=r"messages\[0\].content\[0\]: content part type "
+                                           r"'input_audio'"):
+        chat_messages(parse_body(ChatCompletionRequest, {"messages": [
+            {"role": "user", "content": [{"type": "input_audio"}]}]}))
+
+
+# ----------------------------------------------------------------------------- prompt store
+
+def state_for(model, tokenizer, text: str) -> PromptCache:
+    ids = tokenizer.encode_prompt(text)
+    state = PromptCache(model.make_cache(), list(ids))
+    prefill(model, ids, state.cache)
+    return state
+
+
+def test_store_keeps_the_longest_usable_prefix_and_hands_out_copies():
+    model, tokenizer = tiny()
+    store = PromptCacheStore(model, 1 << 30)
+    a = state_for(model, tokenizer, "The quick brown fox")
+    store.insert(a)
+    prompt = tokenizer.encode_prompt("The quick brown fox jumps")
+    got = store.fetch(prompt)
+    assert got.tokens == a.tokens and got.cache is not a.cache
+    prefill(model, prompt[len(got.tokens):], got.cache)
+    assert store.entries[0].state.cache[0].offset == len(a.tokens)  # the stored one unchanged
+    assert store.fetch(tokenizer.encode_prompt("Nothing alike")).tokens[1:] == []
+
+
+def test_store_is_bounded_in_bytes_least_recently_used_first():
+    model, tokenizer = tiny()
+    states = [state_for(model, tokenizer, f"prompt number {k} " * 3) for k in range(3)]
+    one = max(cache_bytes(s.cache)["total"] for s in states)
+    store = PromptCacheStore(model, 2 * one + one // 2)
+    store.insert(states[0])
+    store.insert(states[1])
+    store.fetch(states[0].tokens)  # 0 used last: 1 goes first
+    store.insert(states[2])
+    assert [e.state for e in store.entries] == [states[0], states[2]]
+    assert store.nbytes <= store.max_bytes
+    assert PromptCacheStore(model, one - 1).insert(states[0]) is None  # alone over the bound
+
+
+def test_store_drops_an_entry_the_new_one_covers():
+    model, tokenizer = tiny()
+    store = PromptCacheStore(model, 1 << 30)
+    short = state_for(model, tokenizer, "Hello there")
+    store.insert(short)
+    longer = short.copy()
+    extra = tokenizer.encode(" friend", add_special_tokens=False)
+    prefill(model, extra, longer.cache)
+    longer.tokens += extra
+    store.insert(longer)
+    assert [e.state for e in store.entries] == [longer]
+    assert store.insert(short) is None  # covered by `longer`: not kept twice
+
+
+def test_align_trims_drafts_a_stream_fed_but_did_not_yield():
+    model, tokenizer = tiny()
+    state = state_for(model, tokenizer, "drafts were fed to the cache but never yielded")
+    state.tokens = state.tokens[:-3]
+    assert align_to_tokens(state) and state.cache[0].offset == len(state.tokens)
+    state.tokens = state.tokens[:1]
+    assert not align_to_tokens(state)  # more than the exact rollback
+
+
+# ----------------------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("text, value", [("4G", 4 * 10**9), ("512MiB", 512 * 2**20),
+                                         ("0", 0), ("1.5K", 1500)])
+def test_sizes(text, value):
+    assert cli.parse_size(text) == value
+
+
+def test_flags_default_to_loopback_and_refuse_bad_values(capsys):
+    args = cli.setup_arg_parser().parse_args(["--model", "demo"])
+    assert (args.host, args.port, args.max_tokens, args.prompt_cache_dir) == \
+        ("127.0.0.1", 8080, 512, None)
+    with pytest.raises(SystemExit):
+        cli.setup_arg_parser().parse_args(["--model", "x", "--prompt-cache-bytes", "lots"])
+    assert "'lots' is not a size" in capsys.readouterr().err
+
+
+def test_missing_model_is_one_line(capsys, tmp_path):
+    assert cli.main(["--model", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model folder not found" in err
+
+
+def test_console_script_and_dispatch(capsys):
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    section = lambda name: text.split(f"[{name}]")[1].split("\n[")[0]  # noqa: E731
+    scripts = dict(re.findall(r'"([^"]+)"\s*=\s*"([^"]+)"', section("project.scripts")))
+    assert scripts["mlx_v41.server"] == "mlx_v41.cli.server:main"
+    assert '"mlx_v41.server"' in section("tool.setuptools")
+    assert '"fastapi>=' in section("project") and '"uvicorn>=' in section("project")
+    from mlx_v41.__main__ import main as dispatch
+
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(["server", "--help"])
+    assert exit_info.value.code == 0 and "--prompt-cache-dir" in capsys.readouterr().out

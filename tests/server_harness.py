@@ -27,8 +27,9 @@ STARTUP_SECONDS = 30
 
 @functools.lru_cache(maxsize=None)
 def tiny():
-    """The tiny golden model and tokenizer, loaded once for all server test modules."""
-    return mlx_v41.load(golden_checkpoint("tiny"))
+    """The tiny golden model and tokenizer, loaded once for all server test modules, as
+    `mlx_v41.server` loads it without --dspark (the backbone alone)."""
+    return mlx_v41.load(golden_checkpoint("tiny"), dspark=False)
 
 
 def write_swa_checkpoint(folder: Path, **overrides) -> Path:

@@ -63,8 +63,19 @@ def _hash_shard(digest, path: Path) -> None:
         digest.update(f.read())
 
 
+def has_vision_tower(folder: Path) -> bool:
+    """Whether a model folder holds the vision tower (a converted folder: in its extras)."""
+    from .converted import is_converted, read_manifest
+    from .loader import has_group, read_index
+
+    if is_converted(folder):
+        return bool(read_manifest(folder).get("extras", {}).get("vision"))
+    return has_group(read_index(folder), "vision")
+
+
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
-               ced_rollback: Optional[int] = None, dspark: bool = False):
+               ced_rollback: Optional[int] = None, dspark: bool = False,
+               vision: Optional[bool] = None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -83,6 +94,9 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             published folder, the `dspark-*` files of a converted one); a folder without it
             raises CheckpointError. `stream_generate(..., draft="dspark")` needs it; off
             (the default), the drafter's tensors are left unread.
+        vision: load the vision tower (`vision.*`, `aligner.*`, `image_*`: 0.49 B parameters
+            at full size, BF16) for image prompts. None (default): when the checkpoint has
+            it; True: required (CheckpointError without it); False: left unread.
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -95,8 +109,10 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder not found")
     args = ModelArgs.from_file(folder / "config.json")
+    vision = has_vision_tower(folder) if vision is None else vision
     model = Model(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                  prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
+                  prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
+                  vision=vision)
     token_map = None
     if is_converted(folder):
         token_map = load_converted(model, folder)

@@ -45,7 +45,8 @@ def _download(repo: str) -> Path:
 
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
-         ced_rollback: Optional[int] = None, dspark: bool = False):
+         ced_rollback: Optional[int] = None, dspark: bool = False,
+         vision: Optional[bool] = None):
     """Load a model and its tokenizer.
 
     Args:
@@ -56,6 +57,7 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
         ced_rollback: tokens a trim can undo right after a CED prefill (see load_model).
         dspark: also load the DSpark drafter (the checkpoint's `mtp.*` tensors), for
             `stream_generate(..., draft="dspark")`.
+        vision: load the vision tower for image prompts (None: when the checkpoint has it).
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:
@@ -69,5 +71,6 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     args = ModelArgs.from_file(folder / "config.json")
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                       prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
+                       prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
+                       vision=vision)
     return model, tokenizer

@@ -96,6 +96,15 @@ def test_vit(model, prompt, ref):
         assert rel(out, ref[f"image.{k}.vit_out"]) <= 1e-2
 
 
+def test_attention_blocks_change_no_bits(model, prompt):
+    """Query blocks (forced small here) compute every row as one call does."""
+    image = prompt.images[0]
+    grid = image.grid
+    whole = model.vision(image.patches, grid.vit_h, grid.vit_w, block=grid.vit_h * grid.vit_w)
+    blocked = model.vision(image.patches, grid.vit_h, grid.vit_w, block=333)
+    assert mx.array_equal(whole, blocked).item()
+
+
 # Measured: on the golden's vit_out 1e-5 / 1.8e-4; after our ViT 6.9e-3 / 7.5e-3.
 def test_aligner(model, prompt, ref):
     for k, image in enumerate(prompt.images):

@@ -334,7 +334,7 @@ def test_chat_session_with_images(loaded, tmp_path, twins):
     assert session.stats.reused_tokens > span  # the first image's positions are kept
     path = tmp_path / "session.cache"
     session.save(path)
-    restored = ChatSession(model, tokenizer)
+    restored = ChatSession(model, tokenizer, max_tokens=2)
     restored.load(path)
     assert restored.prompt().ids == session.prompt().ids
     list(restored.reply("Thanks."))
@@ -355,3 +355,15 @@ def test_chat_image_command(loaded, monkeypatch, capsys, cached_load, twins, tmp
     assert [b["type"] for b in blocks] == ["image", "text"] and len(session.messages) == 2
     assert "/image PATH" in chat_cli.HELP
     assert sys.stdin is not None
+
+
+def test_dspark_after_an_image_prompt(folder, twins):
+    """Speculative decoding continues an image prompt exactly as plain greedy decoding."""
+    model, tokenizer = mlx_v41.load(folder, dspark=True)
+    reference_ops(model)
+    kwargs = dict(images=twins[:1], max_tokens=8)
+    plain = [r.token for r in mlx_v41.stream_generate(model, tokenizer, "<｜deepseek_image｜>?",
+                                                      **kwargs)]
+    drafted = [r.token for r in mlx_v41.stream_generate(model, tokenizer, "<｜deepseek_image｜>?",
+                                                        draft="dspark", **kwargs)]
+    assert drafted == plain and len(plain) == 8

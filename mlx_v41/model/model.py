@@ -240,8 +240,7 @@ class Model(nn.Module):
         """
         return run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
                            embeddings=input_embeddings, images=images, taps=tuple(taps),
-                           teacher=teacher,
-                           capture=capture, progress=progress)
+                           teacher=teacher, capture=capture, progress=progress)
 
     def prefill(self, ids, cache: Optional[list] = None, step_size: Optional[int] = None,
                 last_only: bool = True, capture: Optional[dict] = None,

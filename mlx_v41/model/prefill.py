@@ -54,11 +54,7 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     start = cache[0].offset
     length = ids.shape[1]
     step = step_size or length
-    chunks = [Chunk(ids[:, i:i + step], None if embeddings is None else embeddings[:, i:i + step],
-                    None if images is None else images.chunk(i, i + step))
-              for i in range(0, length, step)]
-    chunks = [c._replace(images=None) if c.images is not None and not c.images.has_spans else c
-              for c in chunks]
+    chunks = split_chunks(ids, embeddings, images, step)
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
     drafting = "dspark" in model
     targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
@@ -91,6 +87,17 @@ class Chunk(NamedTuple):
     ids: mx.array
     embeddings: Optional[mx.array]
     images: Optional[object]  # vision.ImageInputs of the chunk's positions
+
+
+def split_chunks(ids, embeddings, images, step: int) -> list:
+    """The call's rows in chunks of `step`; a chunk without span positions has no images."""
+    chunks = []
+    for i in range(0, ids.shape[1], step):
+        part = None if images is None else images.chunk(i, i + step)
+        chunks.append(Chunk(ids[:, i:i + step],
+                            None if embeddings is None else embeddings[:, i:i + step],
+                            part if part is not None and part.has_spans else None))
+    return chunks
 
 
 class Run:

@@ -28,7 +28,9 @@ def image_rows(model, image: PreparedImage) -> mx.array:
         raise ValueError(f"an image was given but {VISION_MISSING}")
     grid = image.grid
     features = model.vision(image.patches, grid.vit_h, grid.vit_w)
-    return model.aligner(features, grid.vit_h, grid.vit_w)
+    rows = model.aligner(features, grid.vit_h, grid.vit_w)
+    mx.eval(rows)  # one image's tower graph at a time
+    return rows
 
 
 def delimiters(model) -> dict:

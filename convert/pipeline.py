@@ -234,8 +234,8 @@ def _readme(source: Source, plan: Plan) -> str:
         "* DSpark drafter: left out (`load_model(path, dspark=True)` refuses this folder)",
         f"* Engram tables: {_human(sizes['engram_tables'])} in `engram/` (packed FP8 rows + "
         "E8M0 scales, memory-mapped at load), token map `engram/token_map.npy`",
-        f"* extras: {_human(sizes['extras'])} in `extras/` (published tensors the text model "
-        "does not use yet, verbatim)",
+        f"* extras: {_human(sizes['extras'])} in `extras/` (the vision tower, verbatim BF16 "
+        "under its published names; `load_model` reads it unless `vision=False`)",
         f"* every file with its size and sha256: `{MANIFEST}`", ""])
 
 

@@ -8,8 +8,8 @@ Output streams (one folder each):
   the backbone's (same recipe), in files of their own that a load without the drafter skips.
 * `engram/<module>-*.safetensors`: each Engram table as packed rows (see ENGRAM_ROWS), split by
   row ranges into files of the shard size; memory-mapped at load.
-* `extras/<group>-*.safetensors`: the vision tensors the text model does not use yet, byte for
-  byte under their published names and dtypes (unless dropped).
+* `extras/<group>-*.safetensors`: the vision tower, byte for byte under its published names and
+  dtypes (BF16) in every recipe (unless dropped); the converted loader reads it from there.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from . import format as cf
 from ..cache.layer import CacheError, cache_bytes
@@ -21,6 +21,8 @@ from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_pro
 from ..cache.persistence import load_prompt_cache
 from ..generation.api import PrefillProgress
 from ..generation.speculative import MAX_DRAFT_TOKENS, DraftStats, check_draft_settings
+from ..model.vision.preprocess import image_reference, load_image
+from ..model.vision.prompt import VISION_MISSING, ImagePrompt, has_vision, prepare_prompt
 
 
 DEFAULT_MAX_TOKENS = 256  # mlx-lm chat's default
@@ -113,40 +115,64 @@ class ChatSession:
         self.snapshot: Optional[PromptCache] = None
         self.stats: Optional[TurnStats] = None
         self._reply: Optional[_Reply] = None  # the reply in progress
+        self.attached: list = []  # images for the next user message (`attach`)
+
+    def attach(self, image) -> None:
+        """Queue an image (path, URL, data URI, bytes or PIL image) for the next user message;
+        ValueError (nothing queued) when the model has no vision tower or it cannot be read."""
+        if not has_vision(self.model):
+            raise ValueError(f"cannot attach an image: {VISION_MISSING}")
+        load_image(image)
+        self.attached.append(image_reference(image))
 
     def conversation(self) -> list:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + self.messages
 
     def prompt_tokens(self) -> list:
-        """The rendered conversation (ending in the generation header) as token ids."""
-        return self.tokenizer.encode_chat(self.conversation(), self.thinking,
-                                          self.reasoning_effort)
+        """The rendered conversation (ending in the generation header) as token ids, each
+        image expanded into its span."""
+        return self.prompt().ids
 
-    def reply(self, text: str) -> Iterator[GenerationResponse]:
-        """Add a user message and stream the reply. If the caller stops early (Ctrl-C), call
+    def prompt(self) -> ImagePrompt:
+        """The rendered conversation with its images (read from their blocks)."""
+        conversation = self.conversation()
+        ids = self.tokenizer.encode_chat(conversation, self.thinking, self.reasoning_effort)
+        return prepare_prompt(self.model, ids, cf.collect_images(conversation))
+
+    def reply(self, text: str, images: Sequence = ()) -> Iterator[GenerationResponse]:
+        """Add a user message (after the attached images and `images`: paths, URLs, data URIs,
+        bytes or PIL images) and stream the reply. If the caller stops early (Ctrl-C), call
         `interrupt()` so the transcript and caches stay consistent."""
         if self.draft:  # refused before the turn starts, so the session stays as it was
             check_draft_settings(self.model, self.sampler, self.num_draft_tokens)
-        self.messages.append({"role": "user", "content": text})
+        blocks = [{"type": "image", "image": image}
+                  for image in self.attached + [image_reference(i) for i in images]]
+        self.messages.append({"role": "user", "content": blocks + [
+            {"type": "text", "text": text}] if blocks else text})
         self._reply = None
         try:
-            tokens = self.prompt_tokens()
-            check_context(self.model, 0, len(tokens))
+            prompt = self.prompt()
+            check_context(self.model, 0, len(prompt.ids))
         except ValueError:
             self.messages.pop()
             raise
+        self.attached = []
         with wired_limit(self.model):
-            yield from self._run(tokens)
+            yield from self._run(prompt)
 
-    def _run(self, tokens: list) -> Iterator[GenerationResponse]:
-        state, source = reuse_prompt_cache(self.model, tokens, [self.live, self.snapshot])
+    def _run(self, prompt: ImagePrompt) -> Iterator[GenerationResponse]:
+        tokens, records = prompt.ids, prompt.records()
+        state, source = reuse_prompt_cache(self.model, tokens, [self.live, self.snapshot],
+                                           records)
         reused, todo = len(state.tokens), tokens[len(state.tokens):]
         progress = PrefillProgress(self.prefill_step_size) if self.show_progress else None
         tic = time.perf_counter()
-        logits = prefill(self.model, todo, state.cache, self.prefill_step_size, progress)
+        logits = prefill(self.model, todo, state.cache, self.prefill_step_size, progress,
+                         prompt.inputs(self.model, reused))
         seconds = time.perf_counter() - tic
         state.tokens.extend(todo)
+        state.images = records
         self.live, self.snapshot = None, state.copy()
         self.stats = TurnStats(len(tokens), reused, len(todo), len(todo) / max(seconds, 1e-9),
                                "none" if source is None else CACHE_SOURCES[source])
@@ -192,7 +218,7 @@ class ChatSession:
         state = self.live or self.snapshot or PromptCache(self.model.make_cache())
         write_prompt_cache(path, state.cache, self.model, {
             "format": SESSION_FORMAT, "messages": json.dumps(self.messages),
-            "tokens": json.dumps(state.tokens), "system_prompt": json.dumps(self.system_prompt),
+            **state.metadata(), "system_prompt": json.dumps(self.system_prompt),
             "thinking": json.dumps(self.thinking),
             "reasoning_effort": json.dumps(self.reasoning_effort)})
 
@@ -204,7 +230,7 @@ class ChatSession:
             raise CacheError(f"{path}: a prompt cache, but not a saved chat session")
         self.reset()
         self.messages = json.loads(meta["messages"])
-        self.live = PromptCache(cache, json.loads(meta["tokens"]))
+        self.live = PromptCache.from_metadata(cache, meta)
         self.system_prompt = json.loads(meta["system_prompt"])
         self.thinking = json.loads(meta["thinking"])
         self.reasoning_effort = json.loads(meta["reasoning_effort"])

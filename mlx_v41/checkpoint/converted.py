@@ -1,6 +1,7 @@
 """Loading a folder written by `mlx_v41.convert`: MLX safetensors shards under our module
 names in the layouts of config.json's `quantization` block (mlx-lm's form; the DSpark drafter's
-in `dspark-*` files, read only into a model built with it), Engram tables as packed-row files
+in `dspark-*` files, read only into a model built with it; the vision tower verbatim in
+`extras/vision-*`, likewise), Engram tables as packed-row files
 memory-mapped in place, and the Engram token map saved at conversion.
 
 The manifest (`mlx_v41_convert.json`) says the folder is complete and lists every file with
@@ -19,7 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model.engram import EngramRows
 from ..model.layers import configure_quantization
-from .loader import data_start, engram_tables, no_dspark
+from .loader import data_start, engram_tables, no_dspark, no_vision
 from .safetensors_io import CheckpointError, SafetensorsFile
 
 MANIFEST = "mlx_v41_convert.json"
@@ -60,7 +61,9 @@ def _load_weights(model, folder: Path, manifest: dict) -> None:
     loaded = {}
     # Without the drafter its files stay unread: the published load drops mtp.* likewise.
     drafter = manifest.get("dspark", []) if "dspark" in model else []
-    for name in manifest["weights"] + drafter:
+    # The vision tower is kept verbatim (published names = our parameter names, BF16).
+    tower = manifest.get("extras", {}).get("vision", []) if "vision" in model else []
+    for name in manifest["weights"] + drafter + tower:
         path = _checked_file(folder, manifest, name)
         for key, value in mx.load(str(path)).items():
             if key not in params and getattr(model, "partial", False):
@@ -111,6 +114,8 @@ def load_converted(model, folder) -> np.ndarray | None:
     if "dspark" in model and not manifest.get("dspark"):
         raise no_dspark(folder, "converted without them (--drop-dspark, a source without "
                         "mtp.*, or an mlx_v41.convert before format 2)")
+    if "vision" in model and not manifest.get("extras", {}).get("vision"):
+        raise no_vision(folder, "converted without it (--drop-vision, or a source without it)")
     quantization = model.args.quantization
     if not isinstance(quantization, dict):
         raise CheckpointError(f"{folder / 'config.json'}: a converted model needs a "

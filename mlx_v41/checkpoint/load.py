@@ -75,9 +75,19 @@ def has_drafter(folder) -> bool:
     return any(name.startswith("mtp.") for name in read_index(folder))
 
 
+def has_vision_tower(folder: Path) -> bool:
+    """Whether a model folder holds the vision tower (a converted folder: in its extras)."""
+    from .converted import is_converted, read_manifest
+    from .loader import has_group, read_index
+
+    if is_converted(folder):
+        return bool(read_manifest(folder).get("extras", {}).get("vision"))
+    return has_group(read_index(folder), "vision")
+
+
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
-               build=None):
+               vision: Optional[bool] = None, build=None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -98,6 +108,9 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             folder has it. True: a folder without it raises CheckpointError. False: its
             tensors are left unread (7.93 GB at full size), and no forward pays for the
             drafter's rings.
+        vision: load the vision tower (`vision.*`, `aligner.*`, `image_*`: 0.49 B parameters
+            at full size, BF16) for image prompts. None (default): when the checkpoint has
+            it; True: required (CheckpointError without it); False: left unread.
         build: makes the model from (args, **options) instead of `Model` (a pipeline stage,
             `mlx_v41.distributed`; one with `partial = True` leaves the tensors of the modules
             it dropped unread).
@@ -115,8 +128,10 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     args = ModelArgs.from_file(folder / "config.json")
     if dspark is None:
         dspark = has_drafter(folder)
+    vision = has_vision_tower(folder) if vision is None else vision
     model = (build or Model)(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                  prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark)
+                             prefill_mode=prefill_mode, ced_rollback=ced_rollback,
+                             dspark=dspark, vision=vision)
     token_map = None
     if is_converted(folder):
         token_map = load_converted(model, folder)

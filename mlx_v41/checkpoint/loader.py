@@ -87,12 +87,19 @@ DSPARK_RENAMES = _stage_renames() + [
     (r"mtp\.2\.markov_head\.(embed|head)\.weight", r"dspark.markov_head.\1", "plain"),
     (r"mtp\.2\.confidence_head\.proj\.weight", "dspark.confidence_head.proj", "plain"),
 ]
+# The vision tower keeps its published names (BF16 everywhere).
+VISION_RENAMES = [
+    (r"(vision\..+)", r"\1", "plain"),
+    (r"(aligner\.w[12]\.(weight|bias))", r"\1", "plain"),
+    (r"(image_(start|end|newline))", r"\1", "plain"),
+]
 # (pattern, reason, group): unless told to drop a group, the converter converts the dspark
 # group like the backbone (`plan(dspark=True)`) and copies the vision group verbatim.
 DROPS = [
     (r"mtp\..*", "DSpark drafter: loaded only with dspark=True", "dspark"),
-    (r"(vision|aligner)\..*", "vision tower: not part of the text model yet", "vision"),
-    (r"image_(start|end|newline)", "vision delimiters: not part of the text model yet", "vision"),
+    (r"(vision|aligner)\..*", "vision tower (0.49 B parameters): not loaded (vision=False)",
+     "vision"),
+    (r"image_(start|end|newline)", "vision delimiters: not loaded (vision=False)", "vision"),
 ]
 E8M0_NAN = 255  # E8M0 NaN: never valid in a scale, so a load error
 PAIRED = {"fp8", "fp8_grouped", "fp4_expert", "fp8_rows"}  # stored as .weight + .scale
@@ -174,12 +181,19 @@ class _Shards:
         return f.get(name)
 
 
-def plan(index: dict, dspark: bool = False) -> tuple[dict, dict]:
+def has_group(index: dict, group: str) -> bool:
+    """Whether the checkpoint holds tensors of a drop group ("dspark", "vision")."""
+    return any(re.fullmatch(p, name) for p, _, g in DROPS if g == group for name in index)
+
+
+def plan(index: dict, dspark: bool = False, vision: bool = False) -> tuple[dict, dict]:
     """Sort every published tensor into (used: target -> [(kind, base, match)], dropped);
-    `dspark` loads the drafter's `mtp.*` tensors instead of dropping them."""
+    `dspark` loads the drafter's `mtp.*` tensors and `vision` the tower's instead of
+    dropping them."""
     used, dropped = defaultdict(list), {}
-    drops = [d for d in DROPS if not (dspark and d[2] == "dspark")]
-    renames = RENAMES + DSPARK_RENAMES if dspark else RENAMES
+    loaded = {g for g, on in (("dspark", dspark), ("vision", vision)) if on}
+    drops = [d for d in DROPS if d[2] not in loaded]
+    renames = RENAMES + (DSPARK_RENAMES if dspark else []) + (VISION_RENAMES if vision else [])
     for name in sorted(index):
         reason = next((why for p, why, _ in drops if re.fullmatch(p, name)), None)
         if reason:
@@ -198,7 +212,7 @@ def plan(index: dict, dspark: bool = False) -> tuple[dict, dict]:
 def published_name(param: str):
     """The published tensor a model parameter loads from (the rename tables read backwards),
     or None where one parameter gathers several tensors (stacked experts)."""
-    for pattern, template, kind in RENAMES + DSPARK_RENAMES:
+    for pattern, template, kind in RENAMES + DSPARK_RENAMES + VISION_RENAMES:
         # The template's back-references \N match the parameter's path components; their values
         # fill the pattern's groups in order (an expert id, which the template drops, cannot).
         parts = re.split(r"\\(\d)", template)
@@ -222,6 +236,11 @@ def missing_error(folder, missing: list) -> CheckpointError:
         else ""
     return CheckpointError(f"{folder}: no checkpoint tensor {what} {missing[0]} "
                            f"({len(missing)} missing{skip})")
+
+
+def no_vision(folder, why: str) -> CheckpointError:
+    return CheckpointError(f"no vision tower (vision.*, aligner.*, image_* tensors) in {folder}: "
+                           f"{why}; load with vision=False")
 
 
 def no_dspark(folder, why: str) -> CheckpointError:
@@ -333,7 +352,9 @@ def load_weights(model, folder) -> dict:
     index = read_index(folder)
     if "dspark" in model and not any(name.startswith("mtp.") for name in index):
         raise no_dspark(folder, "the checkpoint has none")
-    used, dropped = plan(index, dspark="dspark" in model)
+    if "vision" in model and not has_group(index, "vision"):
+        raise no_vision(folder, "the checkpoint has none")
+    used, dropped = plan(index, dspark="dspark" in model, vision="vision" in model)
     params = dict(tree_flatten(model.parameters()))
     tables = engram_tables(model)
     shards = _Shards(index)

@@ -45,7 +45,8 @@ def _download(repo: str) -> Path:
 
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
-         ced_rollback: Optional[int] = None, dspark: Optional[bool] = None, build=None):
+         ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
+         vision: Optional[bool] = None, build=None):
     """Load a model and its tokenizer (`build`: see load_model).
 
     Args:
@@ -56,6 +57,7 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
         ced_rollback: tokens a trim can undo right after a CED prefill (see load_model).
         dspark: load the DSpark drafter for `stream_generate(..., draft="dspark")`: None
             (default) when the checkpoint has it, True (required), False (skipped).
+        vision: load the vision tower for image prompts (None: when the checkpoint has it).
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:
@@ -70,5 +72,5 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
                        prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
-                       build=build)
+                       vision=vision, build=build)
     return model, tokenizer

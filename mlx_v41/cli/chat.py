@@ -35,6 +35,7 @@ HELP = """commands:
   /save PATH            save the session (prompt cache + transcript)
   /load PATH            load a saved session
   /stats                statistics of the last turn
+  /image PATH           attach an image (path, URL or data: URI) to the next message
   /thinking [on|off]    toggle thinking mode
   /dspark [on|off]      toggle DSpark speculative decoding (needs --dspark)
   /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
@@ -52,14 +53,19 @@ def run_command(session: ChatSession, line: str, out) -> bool:
     elif name == "/reset":
         session.reset()
         print("[new conversation]", file=out)
-    elif name in ("/save", "/load") and not arg:
-        print(f"error: {name} needs a file path", file=sys.stderr)
+    elif name in ("/save", "/load", "/image") and not arg:
+        print(f"error: {name} needs a {'file path' if name != '/image' else 'path or URL'}",
+              file=sys.stderr)
     elif name == "/save":
         session.save(Path(arg).expanduser())
         print(f"[saved to {arg}]", file=out)
     elif name == "/load":
         session.load(Path(arg).expanduser())
         print(f"[loaded {arg}: {len(session.messages)} messages]", file=out)
+    elif name == "/image":
+        session.attach(arg if "://" in arg or arg.startswith("data:")
+                       else str(Path(arg).expanduser()))
+        print(f"[image {arg} attached to the next message]", file=out)
     elif name == "/stats":
         print(format_stats(session), file=out)
     elif name == "/thinking" and arg in ("", "on", "off"):

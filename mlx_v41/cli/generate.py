@@ -3,6 +3,7 @@
     mlx_v41.generate --model demo -p "Hello"
     mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash -p "Why is the sky blue?" -m 512
     mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash -p "Hello" --dspark
+    mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash --image cat.png -p "What is this?"
 
 Prompts are rendered with the V4.1 chat format; generation stops on EOS and the end-of-turn
 tokens.
@@ -10,7 +11,6 @@ tokens.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +28,7 @@ from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_pro
 from ..generation.api import PrefillProgress
 from ..distributed.cli import add_distributed_arguments, pipeline_loader
 from ..distributed.link import DistributedError
+from ..model.vision.prompt import prepare_prompt
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -44,8 +45,11 @@ def setup_arg_parser() -> ArgumentParser:
                              "--dspark): its cached prefix of this prompt is reused; written "
                              "with this prompt when the file does not exist")
     add_distributed_arguments(parser)
+    parser.add_argument("--image", action="extend", nargs="+", default=[], metavar="IMAGE",
+                        help="an image (path, URL or data: URI); repeatable. They go before "
+                             "the user's text, or with --ignore-chat-template fill the "
+                             "prompt's <｜deepseek_image｜> placeholders in order")
     return parser
-
 
 
 def prompt_tokens(args, tokenizer) -> List[int]:
@@ -55,20 +59,28 @@ def prompt_tokens(args, tokenizer) -> List[int]:
     if args.ignore_chat_template:
         return tokenizer.encode_prompt(text)
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    messages.append({"role": "user", "content": text})
+    messages.append({"role": "user", "content": user_content(text, args.image)})
     return tokenizer.encode_chat(messages, args.thinking, args.reasoning_effort)
 
 
+def user_content(text: str, images) -> object:
+    """A user message's content: the text, after the images' blocks when there are any
+    (mlx-vlm's order)."""
+    if not images:
+        return text
+    return [{"type": "image", "image": str(image)} for image in images] + \
+        [{"type": "text", "text": text}]
 
-def _cached_prefix(path: Path, model, tokens) -> PromptCache:
+
+def _cached_prefix(path: Path, model, tokens, images: list) -> PromptCache:
     cache, meta = load_prompt_cache(path, model, return_metadata=True)
     if "tokens" not in meta:
         raise CacheError(f"{path}: the prompt cache does not record its tokens")
-    reused, _ = reuse_prompt_cache(model, tokens, [PromptCache(cache, json.loads(meta["tokens"]))])
+    reused, _ = reuse_prompt_cache(model, tokens, [PromptCache.from_metadata(cache, meta)],
+                                   images)
     print(f"prompt cache: reusing {len(reused.tokens)} of {len(tokens)} prompt tokens",
           file=sys.stderr)
     return reused
-
 
 
 def run(args) -> int:
@@ -85,21 +97,23 @@ def run(args) -> int:
     return 0
 
 
-
 def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
     """Prefill (reusing a prompt-cache file), then stream the reply to stdout."""
-    tokens = prompt_tokens(args, tokenizer)
+    prompt = prepare_prompt(model, prompt_tokens(args, tokenizer), args.image)
+    tokens, records = prompt.ids, prompt.records()
     path = Path(args.prompt_cache_file) if args.prompt_cache_file else None
-    state = _cached_prefix(path, model, tokens) if path and path.exists() else \
+    state = _cached_prefix(path, model, tokens, records) if path and path.exists() else \
         PromptCache(model.make_cache())
     todo = tokens[len(state.tokens):]
     tic = time.perf_counter()
     logits = prefill(model, todo, state.cache, args.prefill_step_size,
-                     PrefillProgress(args.prefill_step_size))
+                     PrefillProgress(args.prefill_step_size),
+                     prompt.inputs(model, len(state.tokens)))
     seconds = time.perf_counter() - tic
     if path and not path.exists():
-        write_prompt_cache(path, state.cache, model, {"tokens": json.dumps(tokens),
-                                                      "model": str(args.model)})
+        write_prompt_cache(path, state.cache, model,
+                           {**PromptCache(state.cache, tokens, records).metadata(),
+                            "model": str(args.model)})
     print("=" * 10, flush=True)
     response = None
     for response in stream_decode(model, tokenizer, logits, state.cache, prompt_tokens=len(todo),
@@ -108,7 +122,6 @@ def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
         print(response.text, end="", flush=True)
     print()
     return response
-
 
 
 def main(argv=None) -> int:

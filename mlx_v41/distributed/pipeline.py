@@ -173,8 +173,8 @@ class PipelineRun(Run):
         self.stage = model.stage
         self.stage.begin(start)
 
-    def encode(self, ids, embeddings, start: int):
-        text, stage = self.text, self.stage
+    def encode(self, chunk, start: int):
+        (ids, embeddings, _), text, stage = chunk, self.text, self.stage   # no images here
         state = self.state(start, start + ids.shape[1])
         if stage.hashes:
             state.engram_rows = engram_rows(self.model.engram_hasher,
@@ -204,6 +204,9 @@ class PipelineModel(Model):
         if options.get("dspark"):
             raise SplitError("--pipeline does not run the DSpark drafter yet; load it with "
                              "dspark=False (and without --dspark)")
+        if options.get("vision"):
+            raise SplitError("--pipeline does not run the vision tower yet; load it with "
+                             "vision=False (and without --image)")
         super().__init__(args, **options)
         n = self.cfg.num_hidden_layers
         ranges = parse_split(split, n, link.size) if split not in (None, "auto") \
@@ -238,9 +241,11 @@ class PipelineModel(Model):
 
     def forward(self, ids, cache: Optional[list] = None, *, last_only: bool = False,
                 step_size: Optional[int] = None, input_embeddings=None, taps: tuple = (),
-                teacher=None, capture=None, progress=None):
+                teacher=None, capture=None, progress=None, images=None):
         if taps or teacher is not None:
             raise ValueError("a pipeline forward has no taps or teacher forcing")
+        if images is not None:
+            raise ValueError("a pipeline forward takes no images yet (no vision tower)")
         cache = self.make_cache() if cache is None else cache
         out = run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
                           embeddings=input_embeddings, taps=(), teacher=None, capture=capture,
@@ -265,5 +270,6 @@ def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
     from ..checkpoint.source import load
 
     options.setdefault("dspark", False)
+    options.setdefault("vision", False)
     return load(path, build=lambda args, **kw: PipelineModel(args, link, split, **kw),
                 **options)

@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..model.vision.prompt import prepare_prompt
 from .speculative import DraftStats, check_draft_settings, speculative_steps
 
 
@@ -78,11 +79,12 @@ def check_context(model, start: int, length: int) -> int:
 
 
 def prefill(model, tokens: Sequence[int], cache: list, step_size: Optional[int] = None,
-            progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
-    """Run `tokens` into `cache` (chunks of `step_size`); the last position's logits [1, 1, V]."""
+            progress: Optional[Callable[[int, int], None]] = None, images=None) -> mx.array:
+    """Run `tokens` into `cache` (chunks of `step_size`); the last position's logits [1, 1, V].
+    `images`: the `vision.ImageInputs` of the tokens' image spans."""
     check_context(model, cache[0].offset, len(tokens))
     logits = model.prefill(mx.array([list(tokens)], dtype=mx.int32), cache, step_size=step_size,
-                           last_only=True, progress=progress)
+                           last_only=True, progress=progress, images=images)
     mx.eval(logits)
     return logits
 
@@ -179,13 +181,15 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
                     prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
                     prompt_progress_callback=None, draft: Optional[str] = None,
                     num_draft_tokens: int = 5,
-                    draft_confidence: Optional[float] = None) -> Iterator[GenerationResponse]:
+                    draft_confidence: Optional[float] = None,
+                    images: Optional[Sequence] = None) -> Iterator[GenerationResponse]:
     """Stream a reply to `prompt`.
 
     Args:
         prompt: text (tokenized as is, special tokens matched, BOS added when the cache is empty
             and the text lacks it; render chats with `tokenizer.apply_chat_template(messages,
-            tokenize=False)`), or token ids.
+            tokenize=False)`), or token ids. Each `<｜deepseek_image｜>` placeholder (one
+            token) is filled by the next of `images` and expanded into its span.
         max_tokens: most tokens to generate (also capped by the context).
         sampler: mlx-lm sampler over log-probabilities (`mlx_lm.sample_utils.make_sampler`);
             default greedy.
@@ -200,6 +204,9 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
         num_draft_tokens: drafts verified per cycle, 1..5.
         draft_confidence: verify only the longest prefix whose running product of the
             drafter's sigmoid(confidence) stays >= this (None: always `num_draft_tokens`).
+        images: one per placeholder, in order: paths, bytes, base64 `data:` URIs, http(s)
+            URLs, PIL images or chat image blocks (`collect_images(messages)`). Needs the
+            vision tower (loaded by default when the checkpoint has it).
     Yields:
         `GenerationResponse`s; the last one has `finish_reason` "stop" or "length".
     """
@@ -210,7 +217,10 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
         ids = _one_sequence(prompt)
     with wired_limit(model):
         tic = time.perf_counter()
-        logits = prefill(model, ids, cache, prefill_step_size, prompt_progress_callback)
+        expanded = prepare_prompt(model, ids, images)
+        ids = expanded.ids
+        logits = prefill(model, ids, cache, prefill_step_size, prompt_progress_callback,
+                         expanded.inputs(model))
         yield from stream_decode(model, tokenizer, logits, cache, prompt_tokens=len(ids),
                                  prompt_seconds=time.perf_counter() - tic,
                                  max_tokens=max_tokens, sampler=sampler,

@@ -1,9 +1,12 @@
 """Prompt reuse: a cache with the tokens it holds, rewound to the longest prefix a new prompt
-shares with it (chat turns, prompt-cache files).
+shares with it (chat turns, prompt-cache files). Image spans repeat one placeholder id, so the
+cache also records which image (sha256 of its pixels) each span came from: a prefix is shared
+only up to the first span whose image differs.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -23,40 +26,68 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 
+def _shared_spans(keep: int, held: list, wanted: list) -> int:
+    """`keep` cut at the first image span before it that the other side lacks or holds from
+    another image (records: {"start", "length", "sha256"})."""
+    by_start = {r["start"]: r for r in wanted}
+    held_starts = {r["start"] for r in held}
+    for record in sorted(held, key=lambda r: r["start"]):
+        if record["start"] < keep and by_start.get(record["start"]) != record:
+            keep = record["start"]
+    for record in wanted:
+        if record["start"] < keep and record["start"] not in held_starts:
+            keep = record["start"]
+    return keep
+
+
 @dataclass
 class PromptCache:
-    """A model cache and the token ids it holds (prompt and fed tokens, in order)."""
+    """A model cache, the token ids it holds (prompt and fed tokens, in order) and its image
+    spans (`ImagePrompt.records()`: start, length, sha256 of the pixels)."""
 
     cache: list
     tokens: List[int] = field(default_factory=list)
+    images: list = field(default_factory=list)
+
+    @classmethod
+    def from_metadata(cls, cache: list, meta: dict) -> "PromptCache":
+        return cls(cache, json.loads(meta["tokens"]), json.loads(meta.get("images", "[]")))
+
+    def metadata(self) -> dict:
+        """What a prompt-cache file records of the positions (see `from_metadata`)."""
+        return {"tokens": json.dumps(self.tokens), "images": json.dumps(self.images)}
 
     def copy(self) -> "PromptCache":
-        return PromptCache(copy_cache(self.cache), list(self.tokens))
+        return PromptCache(copy_cache(self.cache), list(self.tokens), list(self.images))
 
-    def rewind_for(self, prompt: Sequence[int]) -> Optional[int]:
-        """Trim to the longest prefix shared with `prompt` that leaves at least one prompt
-        token to run (its logits start the reply). Returns the tokens kept, or None (the cache
-        unchanged) when the rollback is more than the cache can undo exactly."""
+    def rewind_for(self, prompt: Sequence[int], images: Sequence[dict] = ()) -> Optional[int]:
+        """Trim to the longest prefix shared with `prompt` (and its image spans `images`) that
+        leaves at least one prompt token to run (its logits start the reply). Returns the
+        tokens kept, or None (the cache unchanged) when the rollback is more than the cache
+        can undo exactly."""
         keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
+        keep = _shared_spans(keep, self.images, list(images))
         try:
             trim_cache(self.cache, len(self.tokens) - keep)
         except CacheError:
             return None
         del self.tokens[keep:]
+        self.images = [r for r in self.images if r["start"] < keep]
         return keep
 
 
 
-def reuse_prompt_cache(model, prompt: Sequence[int], candidates) -> tuple:
+def reuse_prompt_cache(model, prompt: Sequence[int], candidates, images: Sequence[dict] = ()
+                       ) -> tuple:
     """(cache, index): a rewound copy of the candidate that keeps the longest prefix of
-    `prompt` and its index, or a new empty cache and None. Candidates are left untouched;
-    None entries are skipped."""
+    `prompt` (with image spans `images`) and its index, or a new empty cache and None.
+    Candidates are left untouched; None entries are skipped."""
     best, index = PromptCache(model.make_cache()), None
     for i, candidate in enumerate(candidates):
         if candidate is None:
             continue
         trial = candidate.copy()
-        kept = trial.rewind_for(prompt)
+        kept = trial.rewind_for(prompt, images)
         if kept is not None and (index is None or kept > len(best.tokens)):
             best, index = trial, i
     return best, index

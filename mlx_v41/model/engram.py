@@ -129,8 +129,10 @@ class Engram(nn.Module):
         self.k_weight = mx.zeros((hc_mult, hidden), dtype=mx.bfloat16)
         self.hc_mult, self.hidden, self.eps = hc_mult, hidden, eps
 
-    def __call__(self, streams: mx.array, row_ids: mx.array) -> mx.array:
-        """streams [B, S, n, D] bf16, row_ids [B, S, columns] -> updated streams."""
+    def __call__(self, streams: mx.array, row_ids: mx.array,
+                 image_mask: Optional[mx.array] = None) -> mx.array:
+        """streams [B, S, n, D] bf16, row_ids [B, S, columns] -> updated streams; the gate is 0
+        where `image_mask` [B, S] is True (image-span positions)."""
         batch, length, n, dim = streams.shape
         memory = self.embed(row_ids).reshape(batch, length, -1)
         kv = self.kv_proj(memory).astype(mx.float32)
@@ -144,12 +146,16 @@ class Engram(nn.Module):
         negative = (dot.view(mx.uint32) >> 31) == 1       # copysign keeps the sign of -0.0
         root = mx.sqrt(mx.maximum(mx.abs(dot), GATE_FLOOR))
         gate = mx.sigmoid(mx.where(negative, -root, root))
+        if image_mask is not None:
+            gate = mx.where(image_mask[..., None], 0.0, gate)
         return (h + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
 
 
-def engram_rows(hasher, layers: list, ids: mx.array, cache: list) -> Optional[mx.array]:
+def engram_rows(hasher, layers: list, ids: mx.array, cache: list,
+                image_mask: Optional[mx.array] = None) -> Optional[mx.array]:
     """Engram table rows [B, S, n_layers, columns] of a chunk of `ids` [B, S], hashed lazily
-    (no host sync) with the cache's compressed-id history; the chunk's ids join that history."""
+    (no host sync) with the cache's compressed-id history; the chunk's ids join that history,
+    image-span positions (`image_mask` [B, S]) as DEAD, so no n-gram reaches across them."""
     if not layers:
         return None
     if hasher is None:
@@ -161,7 +167,7 @@ def engram_rows(hasher, layers: list, ids: mx.array, cache: list) -> Optional[mx
         raise ValueError(f"ids have batch {batch} but the cache's Engram history holds batch "
                          f"{seen.shape[0]}")
     seen = mx.array(seen) if seen.shape[1] else mx.zeros((batch, 0), mx.int32)
-    rows, compressed = hasher.hash_lazy(ids, seen)
+    rows, compressed = hasher.hash_lazy(ids, seen, image_mask)
     # Only the recent ids are kept: a full history would be copied on every token.
     kept = mx.concatenate([seen, compressed], axis=1)[:, -ENGRAM_KEPT:]
     for layer in layers:

@@ -290,7 +290,7 @@ class EngramHasher:
         new_history = np.concatenate([history, compressed], axis=1)[:, -self.history_length :]
         return row_ids, new_history
 
-    def hash_lazy(self, ids, history):
+    def hash_lazy(self, ids, history, dead=None):
         """`hash` as MLX ops, so the row ids join the lazy graph and the ids never go to the
         host for hashing (a decode step's token is still being computed when the next step is
         built). Token ids are not range-checked here.
@@ -298,6 +298,7 @@ class EngramHasher:
         Args:
             ids: int ``mx.array [B, S]`` raw token ids.
             history: int ``mx.array [B, h]`` (h >= 0) previous compressed ids, -1 for missing.
+            dead: optional bool ``mx.array [B, S]``, True at image-span positions.
         Returns:
             ``(row_ids int32 [B, S, n_layers, columns], compressed int32 [B, S])``.
         """
@@ -310,6 +311,8 @@ class EngramHasher:
         token_map, multipliers, primes, offsets = self._device
         batch, length = ids.shape
         compressed = mx.take(token_map, ids.astype(mx.int32))
+        if dead is not None:
+            compressed = mx.where(dead, DEAD, compressed)
         depth = self.history_length
         missing = mx.full((batch, max(0, depth - history.shape[1])), DEAD, mx.int32)
         window = mx.concatenate([missing, history[:, -depth:].astype(mx.int32), compressed], 1)

@@ -2,8 +2,8 @@
 before its layers), final collapse with the last block's FFN-side mix, RMSNorm and fp32 head
 (official inference/model.py `Transformer.forward`). The backbone is two stacks: the causal
 encoder (layers below the first ratio-1 kv owner) and the decoder; how a call runs them over a
-prompt (full, exact CED, bounded replay, chunking) is `prefill.py`. DSpark stages and vision are
-not part of this module.
+prompt (full, exact CED, bounded replay, chunking) is `prefill.py`. DSpark stages and the vision
+tower are attached here but defined in `dspark.py` and `vision/`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from .moe import MoE
 from .prefill import PREFILL_MODES, run_forward
 from .schedule import decoder_start, layer_roles
 from .shared import BlockInputs, ForwardState
+from .vision.aligner import Aligner
+from .vision.spans import ImageInputs
+from .vision.vit import VisionTransformer
 
 
 class Block(nn.Module):
@@ -58,18 +61,24 @@ class Block(nn.Module):
         streams, pre_in = self.inputs(streams, pre_in, state)
         if self.role.engram_index is not None:
             rows = state.engram_rows[:, -n_in:, self.role.engram_index]
-            streams = self.engram(streams, rows)
+            streams = self.engram(streams, rows, state.image_positions(n_in))
             state.record(f"layers.{self.role.layer}.engram_out", streams)
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams)
         streams = expand(self.self_attn(u, state, cache, n_out), streams, a_post, a_comb)
         f_pre, f_post, f_comb = self.ffn_hc(streams)
-        u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)))
+        u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)),
+                     state.image_positions(n_out), self.gate_recorder(state))
         streams = expand(u, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)
         return streams, f_pre
+
+    def gate_recorder(self, state: ForwardState):
+        if state.capture is None:
+            return None
+        return lambda name, value: state.record(f"layers.{self.role.layer}.{name}", value)
 
     def inputs(self, streams, pre_in, state: ForwardState):
         """The block's input streams and `pre`: teacher-forced ones when given; the DSpark tap
@@ -142,7 +151,7 @@ class Model(nn.Module):
 
     def __init__(self, args: ModelArgs, compat_reference_index_k_bug: bool = False,
                  prefill_mode: str = "ced", ced_rollback: Optional[int] = None,
-                 dspark: bool = False):
+                 dspark: bool = False, vision: bool = False):
         super().__init__()
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
@@ -160,6 +169,12 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if dspark:  # the drafter's stages and heads (`mtp.*`); embed and head are shared
             self.dspark = DSpark(cfg)
+        if vision:  # the image tower under its published names: vision.*, aligner.*, image_*
+            vc = args.vision_config
+            self.vision = VisionTransformer(vc)
+            self.aligner = Aligner(vc.hidden_size, vc.downsample_ratio, cfg.hidden_size)
+            self.image_start, self.image_end, self.image_newline = (
+                mx.zeros((cfg.hidden_size,), dtype=mx.bfloat16) for _ in range(3))
         self.compat_reference_index_k_bug = compat_reference_index_k_bug
         self.prefill_mode = _usable_mode(cfg, prefill_mode, self.model.decoder_start)
         self.engram_hasher: Optional[EngramHasher] = None
@@ -185,7 +200,8 @@ class Model(nn.Module):
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
                  capture: Optional[dict] = None,
-                 input_embeddings: Optional[mx.array] = None) -> mx.array:
+                 input_embeddings: Optional[mx.array] = None,
+                 images: Optional[ImageInputs] = None) -> mx.array:
         """Logits of `ids` [B, S] continuing `cache`.
 
         Args:
@@ -195,14 +211,18 @@ class Model(nn.Module):
             capture: a dict that receives intermediates named like the reference goldens
                 (`layers.L.out`, `layers.L.pre_out`, `layers.L.engram_out`,
                 `layers.L.indexer.score`, `layers.L.indexer.topk`).
-            input_embeddings: [B, S, hidden] to use instead of the token embeddings (where
-                images merge); `ids` still give the positions and the Engram n-grams.
+            input_embeddings: [B, S, hidden] to use instead of the token embeddings;
+                `ids` still give the positions and the Engram n-grams.
+            images: the image spans of the call (`vision.ImageInputs`, batch 1): their rows
+                replace the token embeddings there, their experts are chosen with
+                `bias_vl`, and Engram skips them.
         """
         return self.forward(ids, cache, last_only=last_only, capture=capture,
-                            input_embeddings=input_embeddings).logits
+                            input_embeddings=input_embeddings, images=images).logits
 
     def forward(self, ids, cache: Optional[list] = None, *, last_only: bool = False,
                 step_size: Optional[int] = None, input_embeddings: Optional[mx.array] = None,
+                images: Optional[ImageInputs] = None,
                 taps: tuple = (), teacher: Optional[BlockInputs] = None,
                 capture: Optional[dict] = None,
                 progress: Optional[Callable[[int, int], None]] = None) -> ModelOutput:
@@ -219,18 +239,19 @@ class Model(nn.Module):
         Others as in `__call__`.
         """
         return run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
-                           embeddings=input_embeddings, taps=tuple(taps), teacher=teacher,
-                           capture=capture, progress=progress)
+                           embeddings=input_embeddings, images=images, taps=tuple(taps),
+                           teacher=teacher, capture=capture, progress=progress)
 
     def prefill(self, ids, cache: Optional[list] = None, step_size: Optional[int] = None,
                 last_only: bool = True, capture: Optional[dict] = None,
-                progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+                progress: Optional[Callable[[int, int], None]] = None,
+                images: Optional[ImageInputs] = None) -> mx.array:
         """Run `ids` [B, S] in chunks of `step_size` rows (the encoder; the CED decoder halo
         runs once at the end); returns the last position's logits [B, 1, vocab] (or every
         position's with `last_only=False`, which runs every chunk fully). `progress(done,
-        total)` is called after each evaluated chunk."""
+        total)` is called after each evaluated chunk; `images` as in `__call__`."""
         return self.forward(ids, cache, last_only=last_only, step_size=step_size,
-                            capture=capture, progress=progress).logits
+                            capture=capture, progress=progress, images=images).logits
 
     def head(self, hidden: mx.array, last_only: bool) -> mx.array:
         """fp32 logits of the normed hidden rows (all, or the last)."""

@@ -1,5 +1,6 @@
 """Mixture of experts: sqrt-softplus router with selection bias, top-k routed FP4 experts with
-clamped SwiGLU, and one shared FP8 expert (official inference/model.py L792–904).
+clamped SwiGLU, and one shared FP8 expert (official inference/model.py L792–904). Image-span
+positions choose their experts with `bias_vl` instead of `bias`.
 
 Routed weights multiply the SwiGLU activation before `w2` (reference order, which also decides
 what `w2`'s FP8 input rounding sees).
@@ -8,6 +9,7 @@ what `w2`'s FP8 input rounding sees).
 from __future__ import annotations
 
 import functools
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,12 +31,16 @@ class Router(nn.Module):
         self.bias_vl = mx.zeros((n_experts,), dtype=mx.float32)
         self.top_k, self.route_scale = top_k, route_scale
 
-    def __call__(self, x: mx.array):
-        """-> (expert ids [B, S, k] int32, weights [B, S, k] fp32)."""
+    def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None):
+        """-> (expert ids [B, S, k] int32, weights [B, S, k] fp32). Positions where
+        `image_mask` [B, S] is True select with `bias_vl`; the weights never see a bias."""
         logits = x.astype(mx.float32) @ self.weight.T
         soft = mx.where(logits > SOFTPLUS_THRESHOLD, logits, mx.logaddexp(logits, 0.0))
         scores = mx.sqrt(soft)
-        biased = scores + self.e_score_correction_bias
+        bias = self.e_score_correction_bias
+        if image_mask is not None:
+            bias = mx.where(image_mask[..., None], self.bias_vl, bias)
+        biased = scores + bias
         ids = mx.argpartition(-biased, self.top_k - 1, axis=-1)[..., :self.top_k]
         weights = mx.take_along_axis(scores, ids, axis=-1)
         weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + ROUTER_EPS)
@@ -124,9 +130,15 @@ class MoE(nn.Module):
         self.experts.switch_mlp = SwitchMLP(hidden, inter, n_experts, limit)
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None,
+                 record: Optional[Callable] = None) -> mx.array:
+        """x [B, S, D]; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
+        `gate.indices` and `gate.weights`."""
         batch, length, dim = x.shape
-        ids, weights = self.gate(x)
+        ids, weights = self.gate(x, image_mask)
+        if record is not None:
+            record("gate.indices", ids)
+            record("gate.weights", weights)
         flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
         routed = self.experts.switch_mlp(flat, ids.reshape(batch * length, -1),
                                          weights.reshape(batch * length, -1))

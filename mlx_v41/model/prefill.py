@@ -11,7 +11,7 @@ A call is atomic: the cache changes only if it completes (`cache.layer.transacti
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -19,6 +19,7 @@ from ..cache.layer import commit, transaction
 from .engram import engram_rows
 from .schedule import FULL, ced_halo
 from .shared import ForwardState, shared_state
+from .vision.prompt import delimiters
 
 PREFILL_MODES = ("ced", "full", "ced_replay")
 
@@ -42,7 +43,8 @@ class Progress:
 
 
 def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size, embeddings,
-                taps: tuple, teacher, capture, progress: Optional[Callable], runner=None):
+                taps: tuple, teacher, capture, progress: Optional[Callable], images=None,
+                runner=None):
     """`Model.forward`: checks the inputs, picks the strategy, runs it atomically (`runner`:
     a `Run` subclass, e.g. a pipeline stage's)."""
     from .model import ModelOutput
@@ -50,16 +52,17 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     ids = _as_ids(ids)
     cache = model.make_cache() if cache is None else cache
     _check_inputs(model, ids, cache, embeddings, step_size, teacher)
+    check_images(model, ids, embeddings, images)
     start = cache[0].offset
     length = ids.shape[1]
     step = step_size or length
-    chunks = [(ids[:, i:i + step], None if embeddings is None else embeddings[:, i:i + step])
-              for i in range(0, length, step)]
+    chunks = split_chunks(ids, embeddings, images, step)
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
     drafting = "dspark" in model
     targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
-    run = (runner or Run)(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher, capture,
-              Progress(progress, length, cache, len(chunks)))
+    run = (runner or Run)(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher,
+                          capture, Progress(progress, length, cache, len(chunks)))
+    run.image_mask = None if images is None else images.mask()
     if drafting and not taps:  # only the draft rings read them: keep what a ring holds
         run.tap_keep = cache[-1].window.capacity
     with transaction(cache):
@@ -80,6 +83,25 @@ def write_draft_rings(model, cache: list, taps: dict, end: int) -> None:
                              model.kernels)
 
 
+class Chunk(NamedTuple):
+    """Rows of one chunk of a call: ids [B, n], optional embeddings [B, n, D] and images."""
+
+    ids: mx.array
+    embeddings: Optional[mx.array]
+    images: Optional[object]  # vision.ImageInputs of the chunk's positions
+
+
+def split_chunks(ids, embeddings, images, step: int) -> list:
+    """The call's rows in chunks of `step`; a chunk without span positions has no images."""
+    chunks = []
+    for i in range(0, ids.shape[1], step):
+        part = None if images is None else images.chunk(i, i + step)
+        chunks.append(Chunk(ids[:, i:i + step],
+                            None if embeddings is None else embeddings[:, i:i + step],
+                            part if part is not None and part.has_spans else None))
+    return chunks
+
+
 class Run:
     """One call's strategies over its chunks, from position `start` of `cache`."""
 
@@ -87,6 +109,7 @@ class Run:
         self.model, self.text, self.cache, self.start = model, model.model, cache, start
         self.tap_layers, self.teacher, self.capture, self.report = taps, teacher, capture, report
         self.taps, self.tap_keep = {}, None
+        self.image_mask = None  # [B, S] bool over the whole call, when it has images
 
     def state(self, start: int, end: int) -> ForwardState:
         return ForwardState(start=start, end=end, shared=shared_state(self.cache, self.text.roles),
@@ -95,21 +118,25 @@ class Run:
                             tap_layers=self.tap_layers, taps=self.taps, tap_keep=self.tap_keep,
                             capture=self.capture)
 
-    def encode(self, ids, embeddings, start: int):
+    def encode(self, chunk: Chunk, start: int):
         """The encoder stack over one chunk at `start` -> (state, streams, pre)."""
+        ids, embeddings, images = chunk
         state = self.state(start, start + ids.shape[1])
+        state.image_mask = None if images is None else images.mask()
         state.engram_rows = engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids,
-                                        ids, self.cache)
+                                        ids, self.cache, state.image_mask)
         x = self.text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
+        if images is not None:
+            x = images.merge(x, delimiters(self.model))
         streams, pre = self.text.residual_input(x)
         return (state, *self.text.encoder_stack(streams, pre, state, self.cache))
 
     def full(self, chunks: list, last_only: bool) -> mx.array:
         outs, position = [], self.start
-        for ids, embeddings in chunks:
-            state, streams, pre = self.encode(ids, embeddings, position)
+        for chunk in chunks:
+            state, streams, pre = self.encode(chunk, position)
             hidden = self.text.decoder_stack(streams, pre, state, self.cache)
-            outs.append(self.report(self.model.head(hidden, last_only), ids.shape[1]))
+            outs.append(self.report(self.model.head(hidden, last_only), chunk.ids.shape[1]))
             position = state.end
         return outs[-1] if last_only else mx.concatenate(outs, axis=1)
 
@@ -117,20 +144,21 @@ class Run:
         """Encoder (and the first decoder layer's global KV) chunk by chunk, then the decoder
         over the halo rows of the whole call; the last position's logits."""
         text, position = self.text, self.start
-        end = self.start + sum(ids.shape[1] for ids, _ in chunks)
+        end = self.start + sum(chunk.ids.shape[1] for chunk in chunks)
         halo = halo_spans(self.model, end - self.start, mode)
         keep = halo[0][0] if halo else 1
         tail = None  # (streams, pre) of the last `keep` rows so far: memory bounded by the halo
-        for ids, embeddings in chunks:
-            state, streams, pre = self.encode(ids, embeddings, position)
+        for chunk in chunks:
+            state, streams, pre = self.encode(chunk, position)
             self.precompress(state, streams, pre)
             streams, pre = streams[:, -keep:], pre[:, -keep:]
             if tail is not None:
                 streams = mx.concatenate([tail[0], streams], axis=1)[:, -keep:]
                 pre = mx.concatenate([tail[1], pre], axis=1)[:, -keep:]
-            tail = self.report((streams, pre), ids.shape[1])
+            tail = self.report((streams, pre), chunk.ids.shape[1])
             position = state.end
         state = self.state(self.start, end)
+        state.image_mask = self.image_mask
         state.precompressed.add(text.decoder_start)
         state.truncate_window = mode == "ced_replay" and end - self.start > text.cfg.sliding_window
         return self.model.head(text.decoder_stack(*tail, state, self.cache, halo), True)
@@ -165,6 +193,28 @@ def _as_ids(ids) -> mx.array:
     if ids.ndim != 2:
         raise ValueError(f"ids must be [batch, length] token ids, got shape {list(ids.shape)}")
     return ids.astype(mx.int32)
+
+
+def check_images(model, ids, embeddings, images) -> None:
+    """A clear ValueError for image inputs that do not fit the call."""
+    from .vision.prompt import VISION_MISSING
+
+    if images is None:
+        return
+    if "vision" not in model:
+        raise ValueError(f"the call has image spans but {VISION_MISSING}")
+    if embeddings is not None:
+        raise ValueError("give either input_embeddings or images, not both")
+    if ids.shape[0] != 1:
+        raise ValueError(f"image prompts run with batch 1 (as the reference), got batch "
+                         f"{ids.shape[0]}")
+    if images.token_types.shape != (ids.shape[1],):
+        raise ValueError(f"images.token_types has shape {list(images.token_types.shape)}, "
+                         f"the ids have {ids.shape[1]} positions")
+    want = [images.n_image_rows, model.cfg.hidden_size]
+    if list(images.rows.shape) != want:
+        raise ValueError(f"images.rows must have shape {want} (one row per IMAGE position, "
+                         f"hidden_size), got {list(images.rows.shape)}")
 
 
 def _check_inputs(model, ids, cache, embeddings, step_size, teacher) -> None:

@@ -54,6 +54,7 @@ class ForwardState:
     end: int                                     # one past the last position
     shared: dict                                 # kv owner -> SharedKV
     engram_rows: Optional[mx.array] = None       # [B, S, n_engram_layers, columns]
+    image_mask: Optional[mx.array] = None        # [B, end - start] bool: image-span positions
     precompressed: set = field(default_factory=set)  # owners whose compressor already ran
     truncate_window: bool = False                # bounded replay: no rows before the span
     compat_index_k_source: Optional[int] = None  # reference defect D1 switch (parity only)
@@ -63,6 +64,10 @@ class ForwardState:
     taps: dict = field(default_factory=dict)     # layer -> [B, rows, D] mean over the copies
     tap_keep: Optional[int] = None               # taps keep only their last rows (None: all)
     capture: Optional[dict] = None               # debugging: name -> intermediate
+
+    def image_positions(self, rows: int) -> Optional[mx.array]:
+        """The image mask of the call's last `rows` positions (None: no image in the call)."""
+        return None if self.image_mask is None else self.image_mask[:, -rows:]
 
     def record(self, name: str, value: mx.array) -> None:
         if self.capture is not None:

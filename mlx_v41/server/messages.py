@@ -15,13 +15,14 @@ NO_REASONING = "none"  # OpenAI's "no reasoning": V4.1's chat mode
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 
 
-def check_images(message: ChatMessage, where: str, has_vision: bool = False) -> None:
-    """Image parts need a vision tower, which this model does not have yet (the place to
-    collect them for one)."""
+def check_images(message: ChatMessage, where: str) -> None:
+    """Image parts are refused: the server does not pass images to the vision tower yet (the
+    place to collect them for it)."""
     for k, part in enumerate(message.content if isinstance(message.content, list) else ()):
-        if part.type in IMAGE_PART_TYPES and not has_vision:
-            raise RequestError(f"{where}.content[{k}]: image input needs a vision tower, which "
-                               "this model does not have (images are not supported yet)",
+        if part.type in IMAGE_PART_TYPES:
+            raise RequestError(f"{where}.content[{k}]: image input is not served yet (the "
+                               "server does not pass images to the vision tower; use "
+                               "mlx_v41.generate --image or stream_generate(images=...))",
                                param=f"{where}.content[{k}]", code="unsupported_content")
 
 

@@ -18,7 +18,7 @@ from .shared import ForwardState
 from .indexer import (KEY_BLOCK, NEG_INF, Indexer, candidate_blocks, expand_blocks, top_rows,
                       visible_rows)
 from .schedule import FULL, LayerRole
-from .layers import QuantLinear, RMSNorm, allocate_quantized
+from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq, unpack_fp4_e8m0
 from .rope import shared_rope
@@ -41,9 +41,10 @@ class GroupedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
         groups = self.weight.shape[0]
-        ids = mx.broadcast_to(mx.arange(groups), x.shape[:-1])
+        ids = mx.broadcast_to(batch_rows((groups,)), x.shape[:-1])
         out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales,
-                            self.get("biases"), rhs_indices=ids, transpose=True,
+                            self.get("biases"), lhs_indices=batch_rows(x.shape[:-1]),
+                            rhs_indices=ids, transpose=True,
                             group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.squeeze(-2).astype(mx.bfloat16)
 

@@ -3,6 +3,12 @@
 
 `HyperConnection` holds one side's (attention or FFN) parameters, reference names
 `hc_{attn,ffn}_{fn,base,scale}`, and returns the per-token `pre`, `post` and `comb` mixes.
+
+Every sum over the n = 4 copies is written as a chain of adds over slices, in the order
+MLX's CPU kernels sum (matmul and reduction alike: from 0, or from eps for the Sinkhorn
+normalisations that add it, one term after another), so the results are the bits of the
+matmul / reduction form while `mx.compile` fuses each normalisation, the mixes and the
+collapse / expand into single element-wise kernels (a decode step is op-bound).
 """
 
 from __future__ import annotations
@@ -13,12 +19,22 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-@functools.cache
-def _constants(n: int, eps: float):
-    """All-ones [n, n] (sums as matmuls, already broadcast) and eps [n, n], made once."""
-    ones, shift = mx.ones((n, n), dtype=mx.float32), mx.full((n, n), eps, dtype=mx.float32)
-    mx.eval(ones, shift)
-    return ones, shift
+def _chain_sum(parts: list, start=None):
+    """((start + p0) + p1) + ...: the summation order of MLX's CPU matmul and reductions."""
+    total = start
+    for part in parts:
+        total = part if total is None else total + part
+    return total
+
+
+def _along(x: mx.array, axis: int) -> list:
+    """Size-1 slices of x along `axis` (views: they feed a fused kernel as inputs)."""
+    index = [slice(None)] * x.ndim
+    parts = []
+    for i in range(x.shape[axis]):
+        index[axis] = slice(i, i + 1)
+        parts.append(x[tuple(index)])
+    return parts
 
 
 def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
@@ -32,19 +48,50 @@ def _compiled_sinkhorn(iters: int, eps: float):
 
 
 def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """Row softmax, then alternate column/row normalisation; the last step normalises columns.
+    return _normalise(_row_softmax(comb, _along(comb, -1)), iters, eps)
 
-    Each normalisation is one `addmm` (the sums, already broadcast, plus eps) and one divide:
-    this runs once per block side per token, and on MLX's CPU backend op count is the cost.
-    """
-    ones, shift = _constants(comb.shape[-1], eps)
-    comb = mx.exp(comb - mx.max(comb, axis=-1, keepdims=True))
-    comb = comb / (comb @ ones) + eps
-    comb = comb / mx.addmm(shift, ones, comb)
+
+def _row_softmax(comb: mx.array, columns: list) -> mx.array:
+    """exp(comb - the max of its row); `columns` are comb's columns, possibly computed apart
+    (same bits) so that comb need not be made before the fused exp."""
+    return mx.exp(comb - functools.reduce(mx.maximum, columns))
+
+
+def _normalise(comb: mx.array, iters: int, eps: float) -> mx.array:
+    """Row normalisation of the softmax, then alternate column/row normalisation; the last
+    step normalises columns. The softmax's row sum starts from 0 (a matmul by ones), the
+    normalisations' sums from eps (an addmm of eps); each normalisation is one fused kernel."""
+    comb = comb / _chain_sum(_along(comb, -1)) + eps
+    comb = comb / _chain_sum(_along(comb, -2), eps)
     for _ in range(iters - 1):
-        comb = comb / mx.addmm(shift, comb, ones)
-        comb = comb / mx.addmm(shift, ones, comb)
+        comb = comb / _chain_sum(_along(comb, -1), eps)
+        comb = comb / _chain_sum(_along(comb, -2), eps)
     return comb
+
+
+def _mixes(streams, fn, base, scale, iters: int, eps: float, norm_eps: float):
+    """`hc_mixes` + Sinkhorn: streams [B, S, n, D] -> pre, post [B, S, n], comb [B, S, n, n].
+    Each mix is scaled by the rms inside its own kernel (the same multiply, fused)."""
+    n = streams.shape[-2]
+    flat = streams.astype(mx.float32).reshape(*streams.shape[:-2], -1)
+    rms = mx.rsqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    mix = flat @ fn.T
+    pre = mx.sigmoid(mix[..., :n] * rms * scale[0:1] + base[:n]) + eps
+    post = 2 * mx.sigmoid(mix[..., n:2 * n] * rms * scale[1:2] + base[n:2 * n])
+    raw = mix[..., 2 * n:].reshape(*mix.shape[:-1], n, n)
+    rms, shift = rms[..., None], base[2 * n:].reshape(n, n)
+
+    def affine(x, bias):
+        return x * rms * scale[2:3] + bias
+
+    columns = [affine(x, b) for x, b in zip(_along(raw, -1), _along(shift, -1))]
+    comb = _row_softmax(affine(raw, shift), columns)
+    return pre, post, _normalise(comb, iters, eps)
+
+
+@functools.cache
+def _compiled_mixes(iters: int, eps: float, norm_eps: float):
+    return mx.compile(functools.partial(_mixes, iters=iters, eps=eps, norm_eps=norm_eps))
 
 
 class HyperConnection(nn.Module):
@@ -55,29 +102,35 @@ class HyperConnection(nn.Module):
         self.fn = mx.zeros(((2 + n) * n, n * hidden_size), dtype=mx.float32)
         self.base = mx.zeros(((2 + n) * n,), dtype=mx.float32)
         self.scale = mx.zeros((3,), dtype=mx.float32)
-        self._n, self._iters, self._eps, self._norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self._iters, self._eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
 
     def __call__(self, streams: mx.array):
         """`streams` [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (fp32)."""
-        n = self._n
-        flat = streams.astype(mx.float32).reshape(*streams.shape[:-2], -1)
-        rms = mx.rsqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + self._norm_eps)
-        mix = (flat @ self.fn.T) * rms
-        pre = mx.sigmoid(mix[..., :n] * self.scale[0] + self.base[:n]) + self._eps
-        post = 2 * mx.sigmoid(mix[..., n:2 * n] * self.scale[1] + self.base[n:2 * n])
-        comb = mix[..., 2 * n:] * self.scale[2] + self.base[2 * n:]
-        comb = sinkhorn(comb.reshape(*comb.shape[:-1], n, n), self._iters, self._eps)
-        return pre, post, comb
+        mixes = _compiled_mixes(self._iters, self._eps, self._norm_eps)
+        return mixes(streams, self.fn, self.base, self.scale)
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:
     """`hc_pre`: bf16 of the pre-weighted sum of the copies, [B, S, n, D] -> [B, S, D]."""
-    mixed = mx.sum(pre[..., None] * streams.astype(mx.float32), axis=-2)
-    return mixed.astype(streams.dtype)
+    return _compiled_collapse(streams, pre)
+
+
+@mx.compile
+def _compiled_collapse(streams: mx.array, pre: mx.array) -> mx.array:
+    terms = [w * s[..., 0, :].astype(mx.float32)
+             for w, s in zip(_along(pre, -1), _along(streams, -2))]
+    return _chain_sum(terms, 0.0).astype(streams.dtype)
 
 
 def expand(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
     """`hc_post`: copy b = post_b * y + sum_a comb[a, b] * residual_a, in fp32, rounded to bf16."""
-    mixed = mx.einsum("xsac,xsad->xscd", comb, residual.astype(mx.float32))
-    out = post[..., None] * y.astype(mx.float32)[..., None, :] + mixed
+    return _compiled_expand(y, residual, post, comb)
+
+
+@mx.compile
+def _compiled_expand(y, residual, post, comb) -> mx.array:
+    # [B, S, n(b), D] from the n terms a: comb row a [B, S, n(b), 1] x residual a [B, S, 1, D]
+    terms = [row.swapaxes(-1, -2) * r.astype(mx.float32)
+             for row, r in zip(_along(comb, -2), _along(residual, -2))]
+    out = post[..., None] * y[..., None, :].astype(mx.float32) + _chain_sum(terms, 0.0)
     return out.astype(residual.dtype)

@@ -150,8 +150,12 @@ def unpack_nibbles(packed: mx.array) -> mx.array:
 
 def _act_fp8_parts(x: mx.array):
     """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and s = 2^e."""
-    g = _groups(x, ACT_FP8_BLOCK).astype(mx.float32)
-    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), ACT_FP8_AMAX_FLOOR)
+    groups = _groups(x, ACT_FP8_BLOCK)
+    # |x| before the cast (the same values): the cast then fuses into both of its readers
+    # instead of being one more kernel whose output both read.
+    amax = mx.abs(groups).astype(mx.float32).max(axis=-1, keepdims=True)
+    g = groups.astype(mx.float32)
+    amax = mx.maximum(amax, ACT_FP8_AMAX_FLOOR)
     # Multiply by the fp32 reciprocal as the reference does (for 1/448 and 1/6 provably the
     # same ceil as a division, but the reciprocal is the reference's operation).
     scale = _pow2_ceil(amax * mx.array(1.0 / FP8_E4M3_MAX, dtype=mx.float32))

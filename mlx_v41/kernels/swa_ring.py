@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
 from .builder import build_kernel, metal_applies
@@ -24,7 +25,8 @@ def _surviving(rows: mx.array, offset: int, capacity: int):
     """The rows that stay in a ring of `capacity` slots, and their slots (no duplicates)."""
     keep = min(rows.shape[1], capacity)
     start = offset + rows.shape[1] - keep
-    return rows[:, rows.shape[1] - keep:], mx.arange(start, start + keep) % capacity
+    slots = mx.array(np.arange(start, start + keep) % capacity)  # made on the host: no ops
+    return rows[:, rows.shape[1] - keep:], slots
 
 
 def is_packed_ring(ring: mx.array, width: int) -> bool:

@@ -15,8 +15,10 @@ Engram), prefills the same prompt into both models and traces one decode step:
   `mx.export_function`, but under that tracing `mx.compile` does not fuse, so a whole step
   traced there would count every fused op apart).
 
-A primitive that is a view (broadcast, reshape, slice, ...) launches nothing and is not counted;
-a `Compiled...` node (an `mx.compile` fusion) is one launch. Per layer = per token / layers.
+A primitive that is a view (broadcast, reshape, slice, split, ...) launches nothing and is not
+counted; a `Compiled...` node (an `mx.compile` fusion) is one launch. Per layer = per token /
+layers. The graph nodes with the views are printed too: on MLX's CPU backend every node, a view
+included, costs a few microseconds of scheduling.
 
     python -m benchmarks.bench_graph [--prompt 256 --window 32 --index-topk 128 --top 12]
 """
@@ -42,7 +44,7 @@ from benchmarks.bench_vs_mlx_lm import (PUBLISHED_POOL, VOCAB, cache_arrays,  # 
                                         load_mlx_lm, prefill)
 from checkpoint_factory import schedule_text_config, write_checkpoint  # noqa: E402
 
-VIEWS = VIEW_PRIMITIVES | {"Flatten", "Unflatten"}  # reshapes under other names
+VIEWS = VIEW_PRIMITIVES | {"Flatten", "Unflatten", "Split"}  # views under other names
 
 
 def graph_counts(outputs: list) -> collections.Counter:
@@ -89,9 +91,11 @@ def load_ours(folder: Path, metal: bool):
 def measure(name: str, load, ids: mx.array, token: mx.array, layers: int, top: int) -> int:
     call, make_cache = load()
     cache = prefill(call, make_cache, ids, 512)
-    counts = launches(step_graph(call, cache, token))
-    total = sum(counts.values())
-    print(f"{name:22s} {total:7,d} launches per token, {total / layers:6.1f} per layer")
+    graph = step_graph(call, cache, token)
+    counts = launches(graph)
+    total, nodes = sum(counts.values()), sum(graph.values())
+    print(f"{name:22s} {total:7,d} launches per token, {total / layers:6.1f} per layer "
+          f"({nodes:,d} graph nodes with the views)")
     print("    " + ", ".join(f"{p} {n}" for p, n in counts.most_common(top)))
     return total
 

@@ -28,13 +28,9 @@ def _chain_sum(parts: list, start=None):
 
 
 def _along(x: mx.array, axis: int) -> list:
-    """Size-1 slices of x along `axis` (views: they feed a fused kernel as inputs)."""
-    index = [slice(None)] * x.ndim
-    parts = []
-    for i in range(x.shape[axis]):
-        index[axis] = slice(i, i + 1)
-        parts.append(x[tuple(index)])
-    return parts
+    """Size-1 slices of x along `axis`: views from one split (on MLX's CPU backend every graph
+    node costs a few microseconds, views included, so one split beats n slices)."""
+    return mx.split(x, x.shape[axis], axis=axis)
 
 
 def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:

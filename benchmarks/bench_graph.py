@@ -84,7 +84,8 @@ def load_ours(folder: Path, metal: bool):
     from mlx_v41.kernels import Kernels
 
     model = mlx_v41.load_model(folder)
-    model.kernels = Kernels.build(counting_kernel) if metal else Kernels(use=False)
+    model.kernels = Kernels.build(counting_kernel, include_mhc=True) if metal \
+        else Kernels(use=False)
     return lambda x, c: model(x, cache=c, last_only=True), model.make_cache
 
 

@@ -15,8 +15,9 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ..model.quant import FP4_E4M3_BLOCK, unpack_fp4_e4m3
+from ..model.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
 from .builder import build_kernel, metal_applies
+from .check import assert_close, verified
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
 MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
@@ -157,9 +158,30 @@ def _placeholder(shape: tuple, dtype) -> mx.array:
     return out
 
 
+CHECK_TOLERANCE = 2.0 ** -6  # of the largest output: bf16-level (the per-block rounding of p)
+
+
+def _probe(run, ops) -> None:
+    """Two query rows over a window of 9 and 6 of 20 packed rows (empty picks included)."""
+    wave = lambda n, f: mx.sin(mx.arange(n, dtype=mx.float32) * f)  # noqa: E731
+    q = (wave(2 * 4 * 64, 0.13) * 2).reshape(1, 2, 4, 64).astype(mx.bfloat16)
+    window = wave(9 * 64, 0.29).reshape(1, 9, 64).astype(mx.bfloat16)
+    packed = pack_fp4_e4m3(wave(20 * 64, 0.47).reshape(1, 20, 64) * 2)
+    rows = mx.array([[[0, 19, -1, 7, 3, 25], [2, -1, 11, 12, 19, -1]]], dtype=mx.int32)
+    sinks = wave(4, 1.1)
+    args = (q, window, packed, rows, sinks, 0.125, 8)
+    assert_close("sparse_attention", run(*args), ops(*args), CHECK_TOLERANCE)
+
+
+def build_checked_sparse_attention(metal_kernel=None):
+    """`build_sparse_attention(metal_kernel)` if it passes its self-check, else the ops."""
+    return verified("v41_sparse_attention", lambda: build_sparse_attention(metal_kernel), _probe,
+                    sparse_attention_ops)
+
+
 @functools.cache
 def _metal_run():
-    return build_sparse_attention()
+    return build_checked_sparse_attention()
 
 
 def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,

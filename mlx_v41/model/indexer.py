@@ -66,9 +66,19 @@ def visible_rows(positions: mx.array, ratio: int, total: int) -> mx.array:
 def sort_key(scores: mx.array, first_row: int = 0) -> mx.array:
     """int64 key ordering by score, then by lower row index (the tie rule); the last axis
     holds rows first_row, first_row + 1, ..."""
-    bits = (scores.astype(mx.float32) + 0.0).view(mx.uint32).astype(mx.int64)
+    bits = _positive_zero(scores).view(mx.uint32)
+    return _keyed(bits, mx.arange(first_row, first_row + scores.shape[-1], dtype=mx.int64))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _positive_zero(scores: mx.array) -> mx.array:
+    return scores.astype(mx.float32) + 0.0  # -0 sorts as +0
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _keyed(bits: mx.array, rows: mx.array) -> mx.array:
+    bits = bits.astype(mx.int64)
     ordered = mx.where(bits >= 2 ** 31, 2 ** 32 - 1 - bits, bits + 2 ** 31)
-    rows = mx.arange(first_row, first_row + scores.shape[-1], dtype=mx.int64)
     return ordered * (1 << INDEX_BITS) + ((1 << INDEX_BITS) - 1 - rows)
 
 

@@ -13,6 +13,7 @@ does not grow with the context.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,8 +82,7 @@ class _QueryBlock:
     def score(self, indexer, keys, start: int, ratio: int, topk: int, pool, keep: bool):
         width = keys.shape[1]
         scores = indexer.block_scores(self.q, self.weights, keys)
-        seen = (start + mx.arange(width))[None, :] < ((self.positions + 1) // ratio)[:, None]
-        scores = mx.where(seen[None], scores, NEG_INF)
+        scores = _visible(scores, mx.arange(start, start + width), self.positions, ratio)
         if pool is not None and pool.member is None:
             self.best_blocks = _merge(self.best_blocks, self._pool_keys(scores, start, ratio,
                                                                         pool.block), pool.keep)
@@ -127,12 +127,28 @@ def _merge(best, keys: mx.array, k: int) -> mx.array:
     return mx.take_along_axis(keys, picks, axis=-1)
 
 
+@functools.partial(mx.compile, shapeless=True)
+def _visible(scores, rows, positions, ratio):
+    """Scores of rows not yet complete at each query's position -> -inf."""
+    seen = rows[None, :] < ((positions + 1) // ratio)[:, None]
+    return mx.where(seen[None], scores, NEG_INF)
+
+
 def finish(best: mx.array, total: int) -> mx.array:
     """Row indices [..., k] of the kept sort keys in ascending order, -inf picks as trailing
     -1 (`indexer.top_rows`'s output)."""
+    total = mx.array(total, dtype=mx.int32)  # an array: a new total must not retrace
+    return _unsorted_rows(mx.sort(_rows_of(best, total), axis=-1), total)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _rows_of(best, total):
     rows = (ROW_MASK - (best & ROW_MASK)).astype(mx.int32)
-    empty = (best >> INDEX_BITS) == NEG_INF_ORDER
-    rows = mx.sort(mx.where(empty, total, rows), axis=-1)
+    return mx.where((best >> INDEX_BITS) == NEG_INF_ORDER, total, rows)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _unsorted_rows(rows, total):
     return mx.where(rows == total, -1, rows)
 
 

@@ -1,15 +1,17 @@
 """Custom kernels: each op has a pure-MLX reference (`*_ops`), a Metal body in metal/, and a
 dispatcher the model calls. `Kernels` carries prebuilt kernels into a model, e.g. the Metal
-simulator's in tests; by default the dispatchers decide (Metal when available)."""
+simulator's in tests; by default the dispatchers decide (Metal when available, each kernel
+self-checked against its ops the first time it is built: `check.py`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .fp4_pack import build_fp4_pack
-from .sparse_attention import build_sparse_attention
-from .swa_ring import build_swa_ring_update
+from .fp4_pack import build_checked_fp4_pack, build_fp4_pack
+from .mhc import build_checked_mhc, build_mhc
+from .sparse_attention import build_checked_sparse_attention, build_sparse_attention
+from .swa_ring import build_checked_swa_ring_update, build_swa_ring_update
 
 
 @dataclass
@@ -18,9 +20,22 @@ class Kernels:
     fp4_pack: Optional[Callable] = None
     sparse_attention: Optional[Callable] = None
     swa_ring_update: Optional[Callable] = None
+    mhc: Optional[Callable] = None
 
     @classmethod
-    def build(cls, metal_kernel) -> "Kernels":
-        """All kernels built with one `metal_kernel` factory (MLX's or the simulator's)."""
-        return cls(True, build_fp4_pack(metal_kernel), build_sparse_attention(metal_kernel),
-                   build_swa_ring_update(metal_kernel))
+    def build(cls, metal_kernel, check: bool = False, include_mhc: bool = False) -> "Kernels":
+        """The kernels built with one `metal_kernel` factory (MLX's or the simulator's).
+
+        `check`: each one self-checked against its ops first (a failure: its ops, and one
+        warning naming it), as the dispatchers' own Metal kernels are. `include_mhc`: the mHC
+        kernel too; otherwise the dispatcher decides for it (its n*D-long sums run in another
+        order than the ops, within 2^-15, which the chaotic model amplifies, so comparisons of
+        the other kernels through the simulator keep the mHC ops)."""
+        builders = [build_fp4_pack, build_sparse_attention, build_swa_ring_update]
+        if check:
+            builders = [build_checked_fp4_pack, build_checked_sparse_attention,
+                        build_checked_swa_ring_update]
+        built = [build(metal_kernel) for build in builders]
+        if include_mhc:
+            built.append((build_checked_mhc if check else build_mhc)(metal_kernel))
+        return cls(True, *built)

@@ -30,14 +30,12 @@ METAL_PACKAGE = "mlx_v41.metal"
 
 
 def _metal_files(package: str):
-    try:
-        return resources.files(package)
-    except ModuleNotFoundError:
-        # A source checkout that is not installed: `metal/` sits next to `mlx_v41/`.
-        checkout = Path(__file__).resolve().parents[2] / "metal"
-        if package == METAL_PACKAGE and checkout.is_dir():
-            return checkout
-        raise
+    # A source checkout (installed or not): the `metal/` next to this `mlx_v41/`, so that a
+    # checkout never runs the Metal text of another one an editable install points at.
+    checkout = Path(__file__).resolve().parents[2] / "metal"
+    if package == METAL_PACKAGE and (checkout / "v41_common.h").is_file():
+        return checkout
+    return resources.files(package)
 
 
 def metal_text(name: str, package: str = METAL_PACKAGE) -> str:

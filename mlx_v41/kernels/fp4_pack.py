@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ..model.quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
 from .builder import build_kernel, metal_applies
+from .check import assert_equal, verified
 
 KINDS = {"kv": (FP4_E4M3_BLOCK, True), "index": (FP4_E8M0_BLOCK, False)}  # group, E4M3 scale
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -53,9 +54,21 @@ def build_fp4_pack(metal_kernel=None):
     return run
 
 
+def _probe(run, ops) -> None:
+    """One main-KV and one index-key block of rows: bytes equal to the ops'."""
+    x = mx.sin(mx.arange(4 * 64, dtype=mx.float32) * 0.37).reshape(4, 64) * 7
+    for kind in KINDS:
+        assert_equal(f"fp4_pack {kind}", run(x, kind), ops(x, kind))
+
+
+def build_checked_fp4_pack(metal_kernel=None):
+    """`build_fp4_pack(metal_kernel)` if it passes its self-check, else `fp4_pack_ops`."""
+    return verified("v41_fp4_pack", lambda: build_fp4_pack(metal_kernel), _probe, fp4_pack_ops)
+
+
 @functools.cache
 def _metal_run():
-    return build_fp4_pack()
+    return build_checked_fp4_pack()
 
 
 def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True, run=None) -> mx.array:

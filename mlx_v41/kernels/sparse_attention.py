@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
-from ..model.quant import FP4_E4M3_BLOCK, unpack_fp4_e4m3
+from ..model.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
 from .builder import build_kernel, metal_applies
+from .check import assert_close, verified
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
 MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
@@ -28,20 +30,39 @@ def packed_row_bytes(head_dim: int) -> int:
     return head_dim // 2 + head_dim // FP4_E4M3_BLOCK
 
 
-def window_rows(length: int, prefix: int, window_size: int) -> mx.array:
-    """[S, window_size] window row index of each query's window slots; < 0 where empty."""
-    newest = prefix + mx.arange(length)
-    return newest[:, None] - (window_size - 1) + mx.arange(window_size)[None, :]
+@functools.lru_cache(maxsize=16)
+def _window_slots(length: int, prefix: int, window_size: int):
+    """(window row of each query's window slot, clamped to >= 0; is the slot filled), both
+    [S, window_size], made on the host once per shape (no graph ops per layer). Query s sees
+    rows prefix + s - window_size + 1 .. prefix + s."""
+    newest = prefix + np.arange(length)
+    rows = newest[:, None] - (window_size - 1) + np.arange(window_size)[None, :]
+    return mx.array(np.maximum(rows, 0).astype(np.int32)), mx.array(rows >= 0)
 
 
-def _gather_packed(packed_kv: mx.array, rows: mx.array) -> mx.array:
-    """packed_kv [B, T, P], rows [B, S, K] (valid) -> [B, S, K, P]."""
+@mx.compile
+def _selected(picks: mx.array, total: mx.array, offsets: mx.array):
+    """(is a real row, flat row index into [B * T] with empty picks at 0) of picks [B, S, K]."""
+    present = (picks >= 0) & (picks < total)
+    return present, mx.where(present, picks, 0) + offsets
+
+
+def _gather_packed(packed_kv: mx.array, rows: mx.array):
+    """(packed rows [B, S, K, P] of rows [B, S, K] (-1 / >= T empty: row 0), is filled)."""
     batch, total, width = packed_kv.shape
-    flat = rows + (mx.arange(batch) * total)[:, None, None]
-    return packed_kv.reshape(batch * total, width)[flat]
+    offsets = mx.array((np.arange(batch) * total)[:, None, None].astype(np.int32))
+    present, flat = _selected(rows, mx.array(total, dtype=rows.dtype), offsets)
+    return packed_kv.reshape(batch * total, width)[flat], present
 
 
 def attend(q, keys, valid, sinks, scale):
+    """q [B, S, H, d], keys [B, S, N, d] (K = V), valid [B, S, N] -> [B, S, H, d] bf16.
+
+    The probabilities are rounded to bf16 relative to the row's global max (not per block)."""
+    return _compiled_attend(q, keys, valid, sinks, scale)
+
+
+def _attend(q, keys, valid, sinks, scale):
     """q [B, S, H, d], keys [B, S, N, d] (K = V), valid [B, S, N] -> [B, S, H, d] bf16.
 
     The probabilities are rounded to bf16 relative to the row's global max (not per block)."""
@@ -55,24 +76,25 @@ def attend(q, keys, valid, sinks, scale):
     return out.astype(mx.bfloat16)
 
 
+_compiled_attend = mx.compile(_attend)
+
+
 def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window_size: int):
     """Reference (pure MLX, gather then attend); arguments as in `sparse_attention`. Query
     rows go in blocks of about GATHER_BLOCK_ELEMENTS gathered key values, so a long prefill
     chunk never gathers all its keys at once (each row is computed independently)."""
     batch, length, _, dim = q.shape
-    slots = window_rows(length, window.shape[1] - length, window_size)
+    slots, filled = _window_slots(length, window.shape[1] - length, window_size)
     total = packed_kv.shape[1]
     selected = rows.shape[-1] if total else 0
     step = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch * (window_size + selected) * dim))
     outs = []
     for i in range(0, max(length, 1), step):
         block = slots[i:i + step]
-        keys = window[:, mx.maximum(block, 0)]                            # [B, s, W, d]
-        valid = mx.broadcast_to((block >= 0)[None], (batch,) + block.shape)
+        keys = window[:, block]                                           # [B, s, W, d]
+        valid = mx.broadcast_to(filled[None, i:i + step], (batch,) + block.shape)
         if selected:
-            picks = rows[:, i:i + step]
-            present = (picks >= 0) & (picks < total)
-            packed = _gather_packed(packed_kv, mx.where(present, picks, 0))
+            packed, present = _gather_packed(packed_kv, rows[:, i:i + step])
             keys = mx.concatenate([keys, unpack_fp4_e4m3(packed, keys.dtype)], axis=2)
             valid = mx.concatenate([valid, present], axis=2)
         outs.append(attend(q[:, i:i + step], keys, valid, sinks, scale))
@@ -136,9 +158,30 @@ def _placeholder(shape: tuple, dtype) -> mx.array:
     return out
 
 
+CHECK_TOLERANCE = 2.0 ** -6  # of the largest output: bf16-level (the per-block rounding of p)
+
+
+def _probe(run, ops) -> None:
+    """Two query rows over a window of 9 and 6 of 20 packed rows (empty picks included)."""
+    wave = lambda n, f: mx.sin(mx.arange(n, dtype=mx.float32) * f)  # noqa: E731
+    q = (wave(2 * 4 * 64, 0.13) * 2).reshape(1, 2, 4, 64).astype(mx.bfloat16)
+    window = wave(9 * 64, 0.29).reshape(1, 9, 64).astype(mx.bfloat16)
+    packed = pack_fp4_e4m3(wave(20 * 64, 0.47).reshape(1, 20, 64) * 2)
+    rows = mx.array([[[0, 19, -1, 7, 3, 25], [2, -1, 11, 12, 19, -1]]], dtype=mx.int32)
+    sinks = wave(4, 1.1)
+    args = (q, window, packed, rows, sinks, 0.125, 8)
+    assert_close("sparse_attention", run(*args), ops(*args), CHECK_TOLERANCE)
+
+
+def build_checked_sparse_attention(metal_kernel=None):
+    """`build_sparse_attention(metal_kernel)` if it passes its self-check, else the ops."""
+    return verified("v41_sparse_attention", lambda: build_sparse_attention(metal_kernel), _probe,
+                    sparse_attention_ops)
+
+
 @functools.cache
 def _metal_run():
-    return build_sparse_attention()
+    return build_checked_sparse_attention()
 
 
 def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,

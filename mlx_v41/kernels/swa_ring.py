@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
 from .builder import build_kernel, metal_applies
+from .check import assert_equal, verified
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -24,7 +26,8 @@ def _surviving(rows: mx.array, offset: int, capacity: int):
     """The rows that stay in a ring of `capacity` slots, and their slots (no duplicates)."""
     keep = min(rows.shape[1], capacity)
     start = offset + rows.shape[1] - keep
-    return rows[:, rows.shape[1] - keep:], mx.arange(start, start + keep) % capacity
+    slots = mx.array(np.arange(start, start + keep) % capacity)  # made on the host: no ops
+    return rows[:, rows.shape[1] - keep:], slots
 
 
 def is_packed_ring(ring: mx.array, width: int) -> bool:
@@ -76,9 +79,23 @@ def build_swa_ring_update(metal_kernel=None):
     return run
 
 
+def _probe(run, ops) -> None:
+    """Three rows written across the end of a packed ring of 8: bytes equal to the ops'."""
+    ring = (mx.arange(8 * 66, dtype=mx.uint32) % 251).astype(mx.uint8).reshape(1, 8, 66)
+    rows = (mx.cos(mx.arange(3 * 64, dtype=mx.float32) * 0.21) * 5).reshape(1, 3, 64)
+    rows = rows.astype(mx.bfloat16)
+    assert_equal("swa_ring_update", run(ring, rows, 6), ops(ring, rows, 6))
+
+
+def build_checked_swa_ring_update(metal_kernel=None):
+    """`build_swa_ring_update(metal_kernel)` if it passes its self-check, else the ops."""
+    return verified("v41_swa_ring_update", lambda: build_swa_ring_update(metal_kernel), _probe,
+                    swa_ring_update_ops)
+
+
 @functools.cache
 def _metal_run():
-    return build_swa_ring_update()
+    return build_checked_swa_ring_update()
 
 
 def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: bool = True,

@@ -15,19 +15,18 @@ from ..cache.layer import LayerCache
 from .compressor import Compressor
 from .config import TextConfig
 from .shared import ForwardState
-from .indexer import (KEY_BLOCK, NEG_INF, Indexer, candidate_blocks, expand_blocks, top_rows,
-                      visible_rows)
+from .indexer import Indexer
+from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
-from .layers import QuantLinear, RMSNorm, allocate_quantized
+from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import act_fp8_qdq, unpack_fp4_e8m0
 from .rope import shared_rope
 
 # Query rows x index heads x key rows scored at once: 16 MiB of fp32 per intermediate. A
 # block is at least one query row against one key block, so at the real widths and long
-# contexts (64 heads x KEY_BLOCK = 2^18 rows) a step is one row and 64 MiB.
+# contexts (32 index heads x KEY_BLOCK = 2^18 rows) a block is one row and 32 MiB.
 SCORE_BLOCK_ELEMENTS = 1 << 22
-SELECT_BLOCK_ELEMENTS = 1 << 22  # query rows x key rows in one top-k (its int64 keys: 32 MiB)
 
 
 class GroupedLinear(nn.Module):
@@ -41,9 +40,10 @@ class GroupedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
         groups = self.weight.shape[0]
-        ids = mx.broadcast_to(mx.arange(groups), x.shape[:-1])
+        ids = mx.broadcast_to(batch_rows((groups,)), x.shape[:-1])
         out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales,
-                            self.get("biases"), rhs_indices=ids, transpose=True,
+                            self.get("biases"), lhs_indices=batch_rows(x.shape[:-1]),
+                            rhs_indices=ids, transpose=True,
                             group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.squeeze(-2).astype(mx.bfloat16)
 
@@ -137,35 +137,22 @@ class Attention(nn.Module):
         if not role.has_indexer:
             return shared.selections[role.topk_owner][:, -n:]
         owner = shared.store
-        total = owner.count
-        if total == 0:
+        if owner.count == 0:
             rows = mx.zeros((x.shape[0], n, 0), dtype=mx.int32)
         else:
-            keys = self._index_keys(ctx, owner)
-            # Query rows in blocks: the [rows, heads, T] score intermediates stay bounded at
-            # any context length (every row is scored and selected independently).
-            if total <= KEY_BLOCK:  # decode once for every row block
-                keys = unpack_fp4_e8m0(keys)
-            step = max(1, min(SCORE_BLOCK_ELEMENTS // (self.indexer.n_heads
-                                                       * min(total, KEY_BLOCK)),
-                              SELECT_BLOCK_ELEMENTS // total))
-            pools = shared.pool[:, -n:] if role.uses_candidates and shared.pool is not None \
-                else None
-            picks, members, scores = [], [], []  # scores only kept when captured
-            for i in range(0, n, step):
-                pick, member, block_scores = self._select_block(
-                    x[:, i:i + step], qr[:, i:i + step], keys,
-                    None if pools is None else pools[:, i:i + step], ctx.end - n + i)
-                picks.append(pick)
-                members += [] if member is None else [member]
-                scores += [] if ctx.capture is None else [block_scores]
-                if n > step:  # several blocks: one at a time, or MLX may run them side by side
-                    mx.eval(pick, members[-1:], scores[-1:])
-            rows = _join(picks)
-            if members:
-                shared.pool = _join(members)
-            if scores:
-                ctx.record(f"layers.{role.layer}.indexer.score", _join(scores))
+            pool = None
+            if role.is_candidate_source:
+                pool = Pool(self.pool_block, keep=self.pool_blocks)
+            elif role.uses_candidates and shared.pool is not None:
+                pool = Pool(self.pool_block, member=shared.pool[:, -n:])
+            picked = select_rows(self.indexer, self.rope, x, qr, self._index_keys(ctx, owner),
+                                 ctx.end - n, role.ratio, self.topk, SCORE_BLOCK_ELEMENTS, pool,
+                                 keep_scores=ctx.capture is not None)
+            rows = picked.rows
+            if picked.member is not None:
+                shared.pool = picked.member
+            if picked.scores is not None:
+                ctx.record(f"layers.{role.layer}.indexer.score", picked.scores)
         ctx.record(f"layers.{role.layer}.indexer.topk", rows)
         rows = self._teacher_forced(ctx, shared, rows)
         shared.selections[role.layer] = rows
@@ -180,20 +167,6 @@ class Attention(nn.Module):
         if layer in teacher.pool:
             shared.pool = teacher.pool[layer][:, -n:]
         return teacher.topk[layer][:, -n:] if layer in teacher.topk else rows
-
-    def _select_block(self, x, qr, keys, pool, first: int) -> tuple:
-        """(selection [B, s, k], candidate blocks or None, masked scores) of the query rows
-        at positions [first, first + s)."""
-        role, total = self.role, keys.shape[1]
-        pos = mx.arange(first, first + x.shape[1])
-        scores = self.indexer.scores(x, qr, first, self.rope, keys)
-        scores = mx.where(visible_rows(pos, role.ratio, total)[None], scores, NEG_INF)
-        member = None
-        if role.is_candidate_source:
-            member = candidate_blocks(scores, pos, role.ratio, self.pool_blocks, self.pool_block)
-        elif pool is not None:
-            scores = mx.where(expand_blocks(pool, self.pool_block, total), scores, NEG_INF)
-        return top_rows(scores, self.topk), member, scores
 
     def _index_keys(self, ctx: ForwardState, owner) -> mx.array:
         """Own packed index keys; with the compat switch, the reference's stale index-key
@@ -215,7 +188,3 @@ class Attention(nn.Module):
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
         store.append(self.rope(latents, group_pos), index_rows, ctx.kernels)
 
-
-def _join(parts: list) -> mx.array:
-    """Row blocks joined along axis 1."""
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)

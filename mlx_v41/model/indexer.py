@@ -11,12 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layers import Linear, QuantLinear, RMSNorm
-from .quant import fp4_e8m0_qdq, unpack_fp4_e8m0
+from .quant import fp4_e8m0_qdq
 from .rope import RoPE
 
 NEG_INF = float("-inf")
 INDEX_BITS = 24  # row index bits in the tie-breaking sort key (16M rows)
-KEY_BLOCK = 1 << 18  # index-key rows decoded at once (128 MiB of fp32 at index_head_dim 128)
+KEY_BLOCK = 1 << 18  # index-key rows decoded at once (64 MiB of bf16 at index_head_dim 128)
 
 
 class Indexer(nn.Module):
@@ -34,22 +34,19 @@ class Indexer(nn.Module):
         latents [B, G, d] at their group positions."""
         return rope(self.k_norm(self.k_proj(latents)), positions)
 
-    def scores(self, x, qr, positions, rope: RoPE, keys: mx.array) -> mx.array:
-        """bf16 scores [B, S, T] of each query row against every index-key row (no masking).
-        `keys`: decoded [B, T, d], or packed uint8 [B, T, bytes] decoded KEY_BLOCK rows at a
-        time, so that no decoded copy of a long index-key cache is ever made."""
+    def queries(self, x, qr, positions, rope: RoPE):
+        """(FP4-rounded index queries [B, S, H, d], bf16 head weights [B, S, H, 1]) of query
+        rows x [B, S, D] with low-rank queries qr at `positions`."""
         batch, length, _ = x.shape
         q = self.q_b_proj(qr).reshape(batch, length, self.n_heads, self.index_dim)
         q = fp4_e8m0_qdq(rope(q, positions))
         scale = (self.index_dim ** -0.5) * (self.n_heads ** -0.5)
-        weights = (self.weights_proj(x) * scale).astype(mx.bfloat16)[..., None]
-        parts = []
-        for i in range(0, keys.shape[1], KEY_BLOCK):
-            block = keys[:, i:i + KEY_BLOCK]
-            if block.dtype == mx.uint8:
-                block = unpack_fp4_e8m0(block)
-            parts.append(_weighted_relu_sum(mx.einsum("bshd,btd->bsht", q, block), weights))
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        return q, (self.weights_proj(x) * scale).astype(mx.bfloat16)[..., None]
+
+    def block_scores(self, q, weights, keys: mx.array) -> mx.array:
+        """bf16 scores [B, S, T] of the queries against decoded index keys [B, T, d] (no
+        masking)."""
+        return _weighted_relu_sum(mx.einsum("bshd,btd->bsht", q, keys), weights)
 
 
 @functools.partial(mx.compile, shapeless=True)
@@ -66,11 +63,22 @@ def visible_rows(positions: mx.array, ratio: int, total: int) -> mx.array:
     return mx.arange(total)[None, :] < limit[:, None]
 
 
-def _sort_key(scores: mx.array) -> mx.array:
-    """int64 key ordering by score, then by lower row index (the tie rule)."""
-    bits = (scores.astype(mx.float32) + 0.0).view(mx.uint32).astype(mx.int64)
+def sort_key(scores: mx.array, first_row: int = 0) -> mx.array:
+    """int64 key ordering by score, then by lower row index (the tie rule); the last axis
+    holds rows first_row, first_row + 1, ..."""
+    bits = _positive_zero(scores).view(mx.uint32)
+    return _keyed(bits, mx.arange(first_row, first_row + scores.shape[-1], dtype=mx.int64))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _positive_zero(scores: mx.array) -> mx.array:
+    return scores.astype(mx.float32) + 0.0  # -0 sorts as +0
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _keyed(bits: mx.array, rows: mx.array) -> mx.array:
+    bits = bits.astype(mx.int64)
     ordered = mx.where(bits >= 2 ** 31, 2 ** 32 - 1 - bits, bits + 2 ** 31)
-    rows = mx.arange(scores.shape[-1], dtype=mx.int64)
     return ordered * (1 << INDEX_BITS) + ((1 << INDEX_BITS) - 1 - rows)
 
 
@@ -82,7 +90,7 @@ def top_rows(scores: mx.array, k: int) -> mx.array:
     k = min(k, total)
     if k == 0:
         return mx.zeros(scores.shape[:-1] + (0,), dtype=mx.int32)
-    ids = mx.argpartition(-_sort_key(scores), k - 1, axis=-1)[..., :k].astype(mx.int32)
+    ids = mx.argpartition(-sort_key(scores), k - 1, axis=-1)[..., :k].astype(mx.int32)
     picked = mx.take_along_axis(scores, ids, axis=-1)
     ids = mx.sort(mx.where(picked == NEG_INF, total, ids), axis=-1)
     return mx.where(ids == total, -1, ids)

@@ -8,6 +8,7 @@ inference/model.py L181–207).
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,6 +16,7 @@ import mlx.nn as nn
 from .quant import act_fp8_qdq
 
 PAIRWISE_LEAF = 16  # values summed in sequence at the leaves of the pairwise norm reduction
+LEVELS_FUSED = 4  # pairwise halvings per fused kernel: 16 chunk inputs (MLX fuses <= 24 arrays)
 
 
 class RMSNorm(nn.Module):
@@ -31,19 +33,40 @@ class RMSNorm(nn.Module):
 
 def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     xf = x.astype(mx.float32)
-    normed = xf * mx.rsqrt(_pairwise_mean(xf * xf) + eps)
+    normed = xf * mx.rsqrt(_pairwise_mean(x) + eps)
     return (weight * normed).astype(mx.bfloat16)
 
 
-def _pairwise_mean(squares: mx.array) -> mx.array:
-    """Mean over the last axis, summed pairwise (halves added until PAIRWISE_LEAF remain): it
-    rounds like the reference's fp32 reduction where a sequential sum is off by an ulp, and
-    one such ulp in a norm moves a block's whole window downstream."""
-    count = width = squares.shape[-1]
+def _pairwise_mean(x: mx.array) -> mx.array:
+    """Mean of x^2 over the last axis, summed pairwise (halves added until PAIRWISE_LEAF
+    remain, then in sequence): it rounds like the reference's fp32 reduction where a
+    sequential sum is off by an ulp, and one such ulp in a norm moves a block's whole window
+    downstream. Up to LEVELS_FUSED halvings run in one fused kernel, over chunk slices."""
+    count = width = x.shape[-1]
+    halvings = 0
     while width % 2 == 0 and width > PAIRWISE_LEAF:
-        width //= 2
-        squares = squares[..., :width] + squares[..., width:]
-    return mx.sum(squares, axis=-1, keepdims=True) / count
+        width, halvings = width // 2, halvings + 1
+    parts = [_square(part) for part in _chunks(x, 2 ** min(halvings, LEVELS_FUSED))]
+    while halvings:
+        levels = min(halvings, LEVELS_FUSED)
+        for _ in range(levels):
+            half = len(parts) // 2
+            parts = [a + b for a, b in zip(parts[:half], parts[half:])]
+        halvings -= levels
+        if halvings:  # the next kernel reads chunks of this one's sums
+            parts = _chunks(parts[0], 2 ** min(halvings, LEVELS_FUSED))
+    return mx.sum(parts[0], axis=-1, keepdims=True) / count
+
+
+def _square(x: mx.array) -> mx.array:
+    xf = x.astype(mx.float32)
+    return xf * xf
+
+
+def _chunks(x: mx.array, n: int) -> list:
+    """x split into n equal slices along the last axis (views)."""
+    size = x.shape[-1] // n
+    return [x[..., i * size:(i + 1) * size] for i in range(n)]
 
 
 @functools.cache
@@ -72,10 +95,23 @@ class QuantLinear(nn.Module):
 
     def apply(self, x: mx.array) -> mx.array:
         """y = x W^T for an input already `prepare`d; bf16 output."""
-        out = mx.quantized_matmul(
+        return self.matmul(x).astype(mx.bfloat16)
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """The fp32 products of `apply`, before the bf16 rounding of its output (for a consumer
+        that rounds them inside its own fused kernel)."""
+        return mx.quantized_matmul(
             x, self.weight, self.scales, self.get("biases"), transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode)
-        return out.astype(mx.bfloat16)
+
+
+@functools.lru_cache(maxsize=64)
+def batch_rows(shape: tuple) -> mx.array:
+    """Evaluated uint32 row numbers over a batch shape: `gather_qmm`'s default `lhs_indices`
+    (and an index dtype it does not cast), made once rather than at every call."""
+    rows = mx.arange(math.prod(shape), dtype=mx.uint32).reshape(shape)
+    mx.eval(rows)
+    return rows
 
 
 class Linear(nn.Module):

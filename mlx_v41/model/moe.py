@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import QuantLinear, allocate_quantized
+from .layers import QuantLinear, allocate_quantized, batch_rows
 from .quant import act_fp8_qdq
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
@@ -35,16 +35,25 @@ class Router(nn.Module):
         """-> (expert ids [B, S, k] int32, weights [B, S, k] fp32). Positions where
         `image_mask` [B, S] is True select with `bias_vl`; the weights never see a bias."""
         logits = x.astype(mx.float32) @ self.weight.T
-        soft = mx.where(logits > SOFTPLUS_THRESHOLD, logits, mx.logaddexp(logits, 0.0))
-        scores = mx.sqrt(soft)
+        scores = _sqrt_softplus(logits)
         bias = self.e_score_correction_bias
         if image_mask is not None:
             bias = mx.where(image_mask[..., None], self.bias_vl, bias)
         biased = scores + bias
         ids = mx.argpartition(-biased, self.top_k - 1, axis=-1)[..., :self.top_k]
         weights = mx.take_along_axis(scores, ids, axis=-1)
-        weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + ROUTER_EPS)
-        return ids.astype(mx.int32), weights * self.route_scale
+        total = mx.sum(weights, axis=-1, keepdims=True)
+        return ids.astype(mx.int32), _normalised(weights, total, self.route_scale)
+
+
+@mx.compile
+def _sqrt_softplus(logits: mx.array) -> mx.array:
+    return mx.sqrt(mx.where(logits > SOFTPLUS_THRESHOLD, logits, mx.logaddexp(logits, 0.0)))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _normalised(weights: mx.array, total: mx.array, scale) -> mx.array:
+    return weights / (total + ROUTER_EPS) * scale
 
 
 class SwitchLinear(nn.Module):
@@ -55,11 +64,15 @@ class SwitchLinear(nn.Module):
         allocate_quantized(self, (n_experts,), output_dims, input_dims, mode, bits, group_size)
 
     def __call__(self, x, ids, sorted_ids=False):
-        out = mx.gather_qmm(
-            x.astype(mx.float32), self.weight, self.scales, self.get("biases"), rhs_indices=ids, transpose=True,
-            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        return self.matmul(x, ids, sorted_ids).astype(mx.bfloat16)
+
+    def matmul(self, x, ids, sorted_ids=False):
+        """The fp32 products, before the bf16 rounding of the output (which the consumer
+        applies inside its own fused kernel). fp32 input: see QuantLinear."""
+        return mx.gather_qmm(
+            x.astype(mx.float32), self.weight, self.scales, self.get("biases"),
+            lhs_indices=batch_rows(x.shape[:-2]), rhs_indices=ids, transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
             sorted_indices=sorted_ids)
-        return out.astype(mx.bfloat16)  # fp32 input: see QuantLinear
 
 
 def clamped_swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
@@ -78,6 +91,20 @@ def _compiled_swiglu(limit: float):
     return mx.compile(functools.partial(_swiglu, limit=limit))
 
 
+def _swiglu_of_products(gate: mx.array, up: mx.array, weights, limit: float) -> mx.array:
+    """bf16 of the (weighted) SwiGLU of fp32 projection products, each rounded to bf16 first
+    as the projections' outputs are: one fused kernel from the two matmuls to the next."""
+    act = _swiglu(gate.astype(mx.bfloat16), up.astype(mx.bfloat16), limit)
+    return (act if weights is None else act * weights).astype(mx.bfloat16)
+
+
+@functools.cache
+def _compiled_swiglu_of_products(limit: float, weighted: bool):
+    if weighted:
+        return mx.compile(functools.partial(_swiglu_of_products, limit=limit))
+    return mx.compile(lambda gate, up: _swiglu_of_products(gate, up, None, limit))
+
+
 class SwitchMLP(nn.Module):
     def __init__(self, hidden, inter, n_experts, limit):
         super().__init__()
@@ -87,24 +114,26 @@ class SwitchMLP(nn.Module):
         self.limit = limit
 
     def __call__(self, x, ids, weights):
-        """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D] bf16."""
+        """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D]: fp32
+        products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them)."""
         tokens, k = ids.shape
+        ids = ids.astype(mx.uint32)  # gather_qmm's index dtype, cast once for the three
+        swiglu = _compiled_swiglu_of_products(self.limit, True)
         if tokens * k < SORT_THRESHOLD:
             rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
-            act = clamped_swiglu(self.gate_proj(rows, ids), self.up_proj(rows, ids), self.limit)
-            act = act_fp8_qdq((act * weights[..., None, None]).astype(mx.bfloat16), mx.float32)
-            return self.down_proj(act, ids).squeeze(-2)
+            act = swiglu(self.gate_proj.matmul(rows, ids), self.up_proj.matmul(rows, ids),
+                         weights[..., None, None])
+            return self.down_proj.matmul(act_fp8_qdq(act, mx.float32), ids).squeeze(-2)
         flat_ids = ids.reshape(-1)
         order = mx.argsort(flat_ids)
         inverse = mx.argsort(order)
         rows = mx.expand_dims(x, -2)[order // k]          # [T*k, 1, D] grouped by expert
         sorted_ids = flat_ids[order]
-        act = clamped_swiglu(self.gate_proj(rows, sorted_ids, True),
-                             self.up_proj(rows, sorted_ids, True), self.limit)
-        act = act * weights.reshape(-1)[order][:, None, None]
-        act = act_fp8_qdq(act.astype(mx.bfloat16), mx.float32)
-        out = self.down_proj(act, sorted_ids, True)       # [T*k, 1, D]
-        return out[inverse].reshape(tokens, k, -1)
+        act = swiglu(self.gate_proj.matmul(rows, sorted_ids, True),
+                     self.up_proj.matmul(rows, sorted_ids, True),
+                     weights.reshape(-1)[order][:, None, None])
+        out = self.down_proj.matmul(act_fp8_qdq(act, mx.float32), sorted_ids, True)
+        return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
 
 
 class SharedExpert(nn.Module):
@@ -116,10 +145,12 @@ class SharedExpert(nn.Module):
         self.limit = limit
 
     def __call__(self, x, prepared=None):
-        """`prepared`: x already act_fp8-rounded (the routed experts' input, shared)."""
+        """fp32 products of `down_proj`, before its bf16 rounding. `prepared`: x already
+        act_fp8-rounded (the routed experts' input, shared)."""
         xq = self.gate_proj.prepare(x) if prepared is None else prepared
-        act = clamped_swiglu(self.gate_proj.apply(xq), self.up_proj.apply(xq), self.limit)
-        return self.down_proj(act.astype(mx.bfloat16))
+        swiglu = _compiled_swiglu_of_products(self.limit, False)
+        act = swiglu(self.gate_proj.matmul(xq), self.up_proj.matmul(xq))
+        return self.down_proj.matmul(self.down_proj.prepare(act))
 
 
 class MoE(nn.Module):
@@ -142,6 +173,16 @@ class MoE(nn.Module):
         flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
         routed = self.experts.switch_mlp(flat, ids.reshape(batch * length, -1),
                                          weights.reshape(batch * length, -1))
-        total = mx.sum(routed.astype(mx.float32), axis=1)
-        total = total + self.shared_experts(x, flat).astype(mx.float32)
-        return total.astype(mx.bfloat16).reshape(batch, length, dim)
+        total = mx.sum(_bf16_rounded(routed), axis=1)
+        return _add_shared(total, self.shared_experts(x, flat)).reshape(batch, length, dim)
+
+
+@mx.compile
+def _bf16_rounded(x: mx.array) -> mx.array:
+    """fp32 of the bf16 rounding of x (a projection's output as its consumer reads it)."""
+    return x.astype(mx.bfloat16).astype(mx.float32)
+
+
+@mx.compile
+def _add_shared(routed: mx.array, shared: mx.array) -> mx.array:
+    return (routed + _bf16_rounded(shared)).astype(mx.bfloat16)

@@ -130,7 +130,7 @@ def _e8m0_table() -> mx.array:
 
 def e8m0_to_float(b: mx.array) -> mx.array:
     """Decode E8M0 scale bytes to float32 2^(b - 127) (exact, incl. 2^-127); 255 -> NaN."""
-    return _e8m0_table()[b.astype(mx.uint32)]
+    return _e8m0_table()[b if b.dtype == mx.uint8 else b.astype(mx.uint32)]
 
 
 def pack_nibbles(codes: mx.array) -> mx.array:
@@ -150,8 +150,12 @@ def unpack_nibbles(packed: mx.array) -> mx.array:
 
 def _act_fp8_parts(x: mx.array):
     """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and s = 2^e."""
-    g = _groups(x, ACT_FP8_BLOCK).astype(mx.float32)
-    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), ACT_FP8_AMAX_FLOOR)
+    groups = _groups(x, ACT_FP8_BLOCK)
+    # |x| before the cast (the same values): the cast then fuses into both of its readers
+    # instead of being one more kernel whose output both read.
+    amax = mx.abs(groups).astype(mx.float32).max(axis=-1, keepdims=True)
+    g = groups.astype(mx.float32)
+    amax = mx.maximum(amax, ACT_FP8_AMAX_FLOOR)
     # Multiply by the fp32 reciprocal as the reference does (for 1/448 and 1/6 provably the
     # same ceil as a division, but the reciprocal is the reference's operation).
     scale = _pow2_ceil(amax * mx.array(1.0 / FP8_E4M3_MAX, dtype=mx.float32))
@@ -235,8 +239,30 @@ def _row_width(nbytes: int, num: int, den: int, name: str) -> int:
     return nbytes * den // num
 
 
+def _compiled(fn, **static):
+    """`fn` compiled once per static argument set: a packed row's encode / decode is a chain
+    of element-wise ops that `mx.compile` fuses (shapes are checked before, outside it)."""
+    return _compiled_cache(fn, tuple(sorted(static.items())))
+
+
+@functools.cache
+def _compiled_cache(fn, static: tuple):
+    return mx.compile(functools.partial(fn, **dict(static)))
+
+
+def _check_groups(x: mx.array, size: int) -> None:
+    if x.shape[-1] % size:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the group size "
+                         f"{size}")
+
+
 def pack_fp4_e4m3(x: mx.array) -> mx.array:
     """Encode with fp4_e4m3 into packed rows: [..., K] -> uint8 [..., K/2 + K/16]."""
+    _check_groups(x, FP4_E4M3_BLOCK)
+    return _compiled(_pack_fp4_e4m3)(x)
+
+
+def _pack_fp4_e4m3(x: mx.array) -> mx.array:
     scaled, scale = _fp4_e4m3_parts(x)
     codes = pack_nibbles(float_to_e2m1(scaled).reshape(x.shape))
     return mx.concatenate([codes, mx.to_fp8(scale[..., 0])], axis=-1)
@@ -255,20 +281,31 @@ def _byte_pairs() -> mx.array:
 def _decode_codes(packed_codes: mx.array) -> mx.array:
     """Packed E2M1 bytes [..., n] -> fp32 values [..., 2n] with one table lookup (the decode
     runs on every selected row of every step; a table gather is one op, the bit form ~10)."""
-    values = _byte_pairs()[packed_codes.astype(mx.uint32)]
+    codes = packed_codes if packed_codes.dtype == mx.uint8 else packed_codes.astype(mx.uint32)
+    values = _byte_pairs()[codes]  # a uint8 index needs no cast
     return values.reshape(*packed_codes.shape[:-1], 2 * packed_codes.shape[-1])
 
 
 def unpack_fp4_e4m3(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
     """Decode fp4_e4m3 rows: uint8 [..., 9K/16] -> [..., K] in dtype (== fp4_e4m3_qdq)."""
-    k = _row_width(packed.shape[-1], 9, 16, "unpack_fp4_e4m3")
+    _row_width(packed.shape[-1], 9, 16, "unpack_fp4_e4m3")
+    return _compiled(_unpack_fp4_e4m3, dtype=dtype)(packed)
+
+
+def _unpack_fp4_e4m3(packed: mx.array, dtype) -> mx.array:
+    k = packed.shape[-1] * 16 // 9
     scale = e4m3_to_float(packed[..., k // 2:])[..., None]
     values = _groups(_decode_codes(packed[..., : k // 2]), FP4_E4M3_BLOCK) * scale
-    return values.reshape(*packed.shape[:-1], k).astype(dtype)
+    return values.astype(dtype).reshape(*packed.shape[:-1], k)  # cast first: one fused kernel
 
 
 def pack_fp4_e8m0(x: mx.array) -> mx.array:
     """Encode with fp4_e8m0 into packed rows: [..., K] -> uint8 [..., K/2 + K/32]."""
+    _check_groups(x, FP4_E8M0_BLOCK)
+    return _compiled(_pack_fp4_e8m0)(x)
+
+
+def _pack_fp4_e8m0(x: mx.array) -> mx.array:
     scaled, scale = _fp4_e8m0_parts(x)
     codes = pack_nibbles(float_to_e2m1(scaled).reshape(x.shape))
     return mx.concatenate([codes, _exponent_byte(scale)], axis=-1)
@@ -276,24 +313,39 @@ def pack_fp4_e8m0(x: mx.array) -> mx.array:
 
 def unpack_fp4_e8m0(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
     """Decode fp4_e8m0 rows: uint8 [..., 17K/32] -> [..., K] in dtype (== fp4_e8m0_qdq)."""
-    k = _row_width(packed.shape[-1], 17, 32, "unpack_fp4_e8m0")
+    _row_width(packed.shape[-1], 17, 32, "unpack_fp4_e8m0")
+    return _compiled(_unpack_fp4_e8m0, dtype=dtype)(packed)
+
+
+def _unpack_fp4_e8m0(packed: mx.array, dtype) -> mx.array:
+    k = packed.shape[-1] * 32 // 17
     scale = e8m0_to_float(packed[..., k // 2:])[..., None]
     values = _groups(_decode_codes(packed[..., : k // 2]), FP4_E8M0_BLOCK) * scale
-    return values.reshape(*packed.shape[:-1], k).astype(dtype)
+    return values.astype(dtype).reshape(*packed.shape[:-1], k)
 
 
 def pack_fp8_e8m0(x: mx.array) -> mx.array:
     """Encode with act_fp8 into packed rows: [..., K] -> uint8 [..., K + K/32]."""
+    _check_groups(x, ACT_FP8_BLOCK)
+    return _compiled(_pack_fp8_e8m0)(x)
+
+
+def _pack_fp8_e8m0(x: mx.array) -> mx.array:
     codes, scale_bytes = act_fp8_quantize(x)
     return mx.concatenate([codes, scale_bytes], axis=-1)
 
 
 def unpack_fp8_e8m0(packed: mx.array, dtype=mx.bfloat16) -> mx.array:
     """Decode act_fp8 rows: uint8 [..., 33K/32] -> [..., K] in dtype (== act_fp8_qdq)."""
-    k = _row_width(packed.shape[-1], 33, 32, "unpack_fp8_e8m0")
+    _row_width(packed.shape[-1], 33, 32, "unpack_fp8_e8m0")
+    return _compiled(_unpack_fp8_e8m0, dtype=dtype)(packed)
+
+
+def _unpack_fp8_e8m0(packed: mx.array, dtype) -> mx.array:
+    k = packed.shape[-1] * 32 // 33
     values = _groups(e4m3_to_float(packed[..., :k]), ACT_FP8_BLOCK)
     values = values * e8m0_to_float(packed[..., k:])[..., None]
-    return values.reshape(*packed.shape[:-1], k).astype(dtype)
+    return values.astype(dtype).reshape(*packed.shape[:-1], k)
 
 
 # ---------------------------------------------------------------- checkpoint weights

@@ -36,7 +36,7 @@ def rope_frequencies(rope_dim: int, base: float, scaling: Optional[dict]) -> np.
     return (freqs / np.float32(factor) * ramp + freqs * (1 - ramp)).astype(np.float32)
 
 
-TABLES_KEPT = 8  # (start, length) angle tables kept per RoPE: the layers of one call share them
+TABLES_KEPT = 16  # rotation tables kept per RoPE: the layers of one call share them
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,7 +46,13 @@ def shared_rope(rope_dim: int, base: float, scaling: Optional[tuple] = None) -> 
 
 
 class RoPE:
-    """Rotates the last `rope_dim` channels of `[B, S, ..., D]` by the angle `position * freq`."""
+    """Rotates the last `rope_dim` channels of `[B, S, ..., D]` by the angle `position * freq`.
+
+    Pair (re, im) becomes (re cos + im (-sin), im cos + re sin): the bits of
+    (re cos - im sin, re sin + im cos), written as x * C + swap(x) * S' over the whole row
+    (C = cos, S' = (-sin, sin) per pair; channels before the rotated tail pass through a
+    select), so that the rotation is one fused kernel.
+    """
 
     def __init__(self, rope_dim: int, base: float, scaling: Optional[dict] = None):
         self.rope_dim = rope_dim
@@ -54,36 +60,62 @@ class RoPE:
         self._tables: dict = {}
 
     def angles(self, positions):
-        """(cos, sin) [S, rope_dim / 2]; `positions` an array, or (start, S) for the
-        contiguous rows start .. start + S - 1 (kept, as every layer of a call asks again)."""
-        if isinstance(positions, mx.array):
-            return self._angles(positions)
-        start, length = positions
-        key = (start, length)
-        if key not in self._tables:
-            if len(self._tables) >= TABLES_KEPT:
-                self._tables.pop(next(iter(self._tables)))
-            self._tables[key] = self._angles(mx.arange(start, start + length))
-        return self._tables[key]
-
-    def _angles(self, positions: mx.array):
+        """(cos, sin) [S, rope_dim / 2] of an array of positions."""
         theta = positions.astype(mx.float32)[:, None] * self.freqs[None, :]
         return mx.cos(theta), mx.sin(theta)
 
-    def __call__(self, x: mx.array, positions, inverse: bool = False) -> mx.array:
-        """`positions`: [S] absolute positions of axis 1 of `x`, or the int position of its
-        first row (contiguous rows; their angle table is shared by every layer)."""
-        r = self.rope_dim
-        if not isinstance(positions, mx.array):
-            positions = (int(positions), x.shape[1])
+    def tables(self, positions, width: int, inverse: bool):
+        """(C, S') [S, width / 2, 2] for rows of `width` channels; `positions` an array, or
+        (start, S) for the contiguous rows start .. start + S - 1 (kept, as every layer of a
+        call asks again)."""
+        if isinstance(positions, mx.array):
+            return self._tables_of(positions, width, inverse)
+        key = (*positions, width, inverse)
+        if key not in self._tables:
+            if len(self._tables) >= TABLES_KEPT:
+                self._tables.pop(next(iter(self._tables)))
+            start, length = positions
+            self._tables[key] = self._tables_of(mx.arange(start, start + length), width,
+                                                inverse)
+        return self._tables[key]
+
+    def _tables_of(self, positions: mx.array, width: int, inverse: bool):
         cos, sin = self.angles(positions)
         if inverse:
             sin = -sin
+        keep = (width - self.rope_dim) // 2  # pairs before the rotated tail
+        ones, zeros = mx.ones((cos.shape[0], keep)), mx.zeros((cos.shape[0], keep))
+        c = mx.concatenate([ones, cos], axis=-1)
+        cos2 = mx.stack([c, c], axis=-1)
+        sin2 = mx.stack([mx.concatenate([zeros, -sin], axis=-1),
+                         mx.concatenate([zeros, sin], axis=-1)], axis=-1)
+        return cos2, sin2
+
+    def __call__(self, x: mx.array, positions, inverse: bool = False) -> mx.array:
+        """`positions`: [S] absolute positions of axis 1 of `x`, or the int position of its
+        first row (contiguous rows; their tables are shared by every layer)."""
+        if not isinstance(positions, mx.array):
+            positions = (int(positions), x.shape[1])
+        width = x.shape[-1]
+        cos2, sin2 = self.tables(positions, width, inverse)
         extra = x.ndim - 3  # head axes between the sequence and feature axes
-        shape = (1, cos.shape[0]) + (1,) * extra + (r // 2,)
-        cos, sin = cos.reshape(shape), sin.reshape(shape)
-        tail = x[..., -r:].astype(mx.float32).reshape(*x.shape[:-1], r // 2, 2)
-        re, im = tail[..., 0], tail[..., 1]
-        rotated = mx.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
-        rotated = rotated.reshape(*x.shape[:-1], r).astype(x.dtype)
-        return mx.concatenate([x[..., :-r], rotated], axis=-1)
+        shape = (1, cos2.shape[0]) + (1,) * extra + (width // 2, 2)
+        return _rotate(x, cos2.reshape(shape), sin2.reshape(shape), _rotated_pairs(
+            width, self.rope_dim))
+
+
+@functools.cache
+def _rotated_pairs(width: int, rope_dim: int) -> mx.array:
+    """[width / 2, 2] bool: True on the rotated tail's channels."""
+    mask = mx.arange(width // 2)[:, None] >= (width - rope_dim) // 2
+    mask = mx.broadcast_to(mask, (width // 2, 2))
+    mx.eval(mask)
+    return mask
+
+
+@mx.compile
+def _rotate(x: mx.array, cos2: mx.array, sin2: mx.array, rotated: mx.array) -> mx.array:
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    turned = pairs.astype(mx.float32) * cos2 + pairs[..., ::-1].astype(mx.float32) * sin2
+    out = mx.where(rotated, turned.astype(x.dtype), pairs)
+    return out.reshape(x.shape)

@@ -1,0 +1,131 @@
+"""Graph size of one decode token: non-view primitives per token and per layer, ours vs mlx-lm.
+
+On a Mac a decode step of this model is bound by how many kernels it launches, and on MLX's CPU
+backend by how many ops it runs (~8 us each), so the graph of one step is the quantity to cut.
+One run writes a random checkpoint in the published layout (tests/checkpoint_factory.py, the
+same one bench_vs_mlx_lm.py times: the published 40 + 3 layer schedule at hidden 128, no
+Engram), prefills the same prompt into both models and traces one decode step:
+
+* ops path: the graph of the step's logits and every cache array it updates, exported with
+  `mx.export_to_dot` (compiled regions as the `Compiled...` nodes `mx.compile` fused), for
+  mlx_v41 on its reference ops and for mlx-lm's `deepseek_v41`;
+* Metal path: mlx_v41 with every kernel one launch: the kernels are built through their
+  builders with a stand-in `metal_kernel` factory whose launch is one `Depends` node over the
+  kernel's inputs (benchmarks/bench_kernels.py traces real `CustomKernel` nodes inside
+  `mx.export_function`, but under that tracing `mx.compile` does not fuse, so a whole step
+  traced there would count every fused op apart).
+
+A primitive that is a view (broadcast, reshape, slice, split, ...) launches nothing and is not
+counted; a `Compiled...` node (an `mx.compile` fusion) is one launch. Per layer = per token /
+layers. The graph nodes with the views are printed too: on MLX's CPU backend every node, a view
+included, costs a few microseconds of scheduling.
+
+    python -m benchmarks.bench_graph [--prompt 256 --window 32 --index-topk 128 --top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout; the factory is a test helper
+
+from benchmarks.bench_kernels import VIEW_PRIMITIVES  # noqa: E402
+from benchmarks.bench_vs_mlx_lm import (PUBLISHED_POOL, VOCAB, cache_arrays,  # noqa: E402
+                                        load_mlx_lm, prefill)
+from checkpoint_factory import schedule_text_config, write_checkpoint  # noqa: E402
+
+VIEWS = VIEW_PRIMITIVES | {"Flatten", "Unflatten", "Split"}  # views under other names
+
+
+def graph_counts(outputs: list) -> collections.Counter:
+    """Primitive labels of the graph of `outputs` (each launch once per occurrence)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(dot, *outputs)
+        labels = re.findall(r'label ="([^"]+)"', Path(dot).read_text())
+    counts = collections.Counter(label.split()[0] for label in labels)
+    counts["CustomKernel"] = counts.pop("Depends", 0)
+    return +counts
+
+
+def step_graph(call, cache, token: mx.array) -> collections.Counter:
+    """One decode step: its logits and every cache array after it (the arrays the step did
+    not touch are evaluated leaves and add nothing)."""
+    logits = call(token, cache)
+    return graph_counts([logits, *cache_arrays(cache)])
+
+
+def counting_kernel(**_):
+    """A stand-in for `mx.fast.metal_kernel`: each launch is one `Depends` node that ties the
+    kernel's array inputs to zero outputs of the declared shapes (the values are not used)."""
+    def launch(*, inputs, output_shapes, output_dtypes, **__):
+        outs = [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        mx.eval(outs)
+        return mx.depends(outs, [a for a in inputs if isinstance(a, mx.array)])
+    return launch
+
+
+def launches(counts: collections.Counter) -> collections.Counter:
+    return collections.Counter({p: n for p, n in counts.items() if p not in VIEWS})
+
+
+def load_ours(folder: Path, metal: bool):
+    import mlx_v41
+    from mlx_v41.kernels import Kernels
+
+    model = mlx_v41.load_model(folder)
+    model.kernels = Kernels.build(counting_kernel, include_mhc=True) if metal \
+        else Kernels(use=False)
+    return lambda x, c: model(x, cache=c, last_only=True), model.make_cache
+
+
+def measure(name: str, load, ids: mx.array, token: mx.array, layers: int, top: int) -> int:
+    call, make_cache = load()
+    cache = prefill(call, make_cache, ids, 512)
+    graph = step_graph(call, cache, token)
+    counts = launches(graph)
+    total, nodes = sum(counts.values()), sum(graph.values())
+    print(f"{name:22s} {total:7,d} launches per token, {total / layers:6.1f} per layer "
+          f"({nodes:,d} graph nodes with the views)")
+    print("    " + ", ".join(f"{p} {n}" for p, n in counts.most_common(top)))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens before the step")
+    parser.add_argument("--window", type=int, default=32, help="sliding_window (published 128)")
+    parser.add_argument("--index-topk", type=int, default=128, help="index_topk (published 512)")
+    parser.add_argument("--top", type=int, default=12, help="primitives listed per model")
+    args = parser.parse_args()
+    config = {**schedule_text_config(), **PUBLISHED_POOL, "vocab_size": VOCAB,
+              "sliding_window": args.window, "index_topk": args.index_topk}
+    rng = np.random.default_rng(0)
+    ids = mx.array(rng.integers(3, VOCAB, (1, args.prompt)), dtype=mx.int32)
+    token = mx.array([[int(rng.integers(3, VOCAB))]], dtype=mx.int32)
+    layers = config["num_hidden_layers"]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp), config, engram=False)
+        print(f"one decode step after {args.prompt} prompt tokens, {layers} layers, "
+              f"mlx {mx.__version__}")
+        ours = measure("mlx_v41 (ops)", lambda: load_ours(Path(tmp), False), ids, token,
+                       layers, args.top)
+        metal = measure("mlx_v41 (Metal path)", lambda: load_ours(Path(tmp), True), ids, token,
+                        layers, args.top)
+        theirs = measure("mlx-lm deepseek_v41", lambda: load_mlx_lm(Path(tmp)), ids, token,
+                         layers, args.top)
+    print(f"ratio mlx-lm / mlx_v41: ops {theirs / ours:.2f}x, Metal path {theirs / metal:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Metal that cannot break a user's run (kernels/check.py): every kernel is checked against its
+ops on a small input when it is built; a compile error or a wrong result means one warning
+naming the kernel and the ops from then on. Forced in the Metal simulator with a kernel body
+that does not compile and with a kernel whose outputs are wrong, and with the production
+builders here, where MLX's kernels cannot run (no Metal)."""
+
+import functools
+import warnings
+
+import mlx.core as mx
+import pytest
+
+import mlx_v41
+from conftest import golden_checkpoint
+from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.fp4_pack import build_checked_fp4_pack, fp4_pack_ops
+from mlx_v41.kernels.mhc import mhc_ops
+from mlx_v41.kernels.sparse_attention import sparse_attention_ops
+from mlx_v41.kernels.swa_ring import swa_ring_update_ops
+from tests.metal_sim import SimOptions, metal_kernel
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+sim = functools.partial(metal_kernel, options=SimOptions())
+OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
+       "v41_sparse_attention": ("sparse_attention", sparse_attention_ops),
+       "v41_swa_ring_update": ("swa_ring_update", swa_ring_update_ops),
+       "v41_mhc": ("mhc", mhc_ops)}
+
+
+def _build(factory):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernels = Kernels.build(factory, check=True, include_mhc=True)
+    return kernels, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def _not_compiling(**spec):
+    return sim(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
+
+
+class _Zeros:
+    """A kernel that runs but returns zeros."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, **call):
+        return [mx.zeros_like(out) for out in self.kernel(**call)]
+
+
+def _wrong(**spec):
+    return _Zeros(sim(**spec))
+
+
+def test_kernels_that_pass_are_kept():
+    kernels, messages = _build(sim)
+    assert messages == []
+    for field, ops in OPS.values():
+        assert getattr(kernels, field) is not ops
+
+
+@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
+                                            (_wrong, "KernelMismatch")])
+def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason, goldens):
+    kernels, messages = _build(factory)
+    assert len(messages) == len(OPS)
+    for name, (field, ops) in OPS.items():
+        assert sum(name in m and reason in m for m in messages) == 1, (name, messages)
+        assert getattr(kernels, field) is ops
+    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model.kernels = kernels
+    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
+    reference.kernels = Kernels(use=False)
+    ids = goldens("tiny").prompt[None, :24].astype(mx.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further warning once built
+        assert mx.array_equal(model(ids), reference(ids))
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="needs a machine where Metal cannot run")
+def test_production_kernel_without_metal_falls_back_with_one_warning():
+    """mx.fast.metal_kernel builds here but raises when called: the checked production
+    builder returns the ops and says so once."""
+    with pytest.warns(RuntimeWarning, match="v41_fp4_pack") as caught:
+        run = build_checked_fp4_pack()
+    assert run is fp4_pack_ops and len(caught) == 1

@@ -67,12 +67,12 @@ def has_drafter(folder) -> bool:
     """Whether a model folder holds the DSpark drafter (published `mtp.*` tensors, or the
     `dspark-*` files of a converted folder)."""
     from .converted import is_converted, read_manifest
-    from .loader import read_index
+    from .loader import has_group, read_index
 
     folder = Path(folder)
     if is_converted(folder):
         return bool(read_manifest(folder).get("dspark"))
-    return any(name.startswith("mtp.") for name in read_index(folder))
+    return has_group(read_index(folder), "dspark")
 
 
 def has_vision_tower(folder: Path) -> bool:

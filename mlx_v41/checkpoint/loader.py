@@ -96,7 +96,7 @@ VISION_RENAMES = [
 # (pattern, reason, group): unless told to drop a group, the converter converts the dspark
 # group like the backbone (`plan(dspark=True)`) and copies the vision group verbatim.
 DROPS = [
-    (r"mtp\..*", "DSpark drafter: loaded only with dspark=True", "dspark"),
+    (r"mtp\..*", "DSpark drafter (7.93 GB at full size): not loaded (dspark=False)", "dspark"),
     (r"(vision|aligner)\..*", "vision tower (0.49 B parameters): not loaded (vision=False)",
      "vision"),
     (r"image_(start|end|newline)", "vision delimiters: not loaded (vision=False)", "vision"),

@@ -244,12 +244,10 @@ class PipelineModel(Model):
                 teacher=None, capture=None, progress=None, images=None):
         if taps or teacher is not None:
             raise ValueError("a pipeline forward has no taps or teacher forcing")
-        if images is not None:
-            raise ValueError("a pipeline forward takes no images yet (no vision tower)")
         cache = self.make_cache() if cache is None else cache
         out = run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
                           embeddings=input_embeddings, taps=(), teacher=None, capture=capture,
-                          progress=progress, runner=PipelineRun)
+                          progress=progress, images=images, runner=PipelineRun)
         budget = self.stage.link.all_gather(mx.array([cache[0].trim_budget], mx.int32),
                                             "agreeing on the rollback budget")
         for c in cache:

@@ -324,18 +324,29 @@ def test_repl_in_a_terminal_survives_ctrl_c():
     argv, env = chat_command("-m", "200")
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, with the terminal as its controlling tty
+        # Ctrl-C as a user's shell gives it, whatever the test runner inherited: a SIGINT
+        # ignored or blocked here would be ignored or blocked in the chat too.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.execvpe(argv[0], argv, env)
+
+    def ctrl_c():
+        # What the terminal does on Ctrl-C: SIGINT to its foreground process group (the chat's,
+        # a session of its own). Sent directly, as some sandboxes' pseudo-terminals echo ^C
+        # without signalling.
+        os.killpg(pid, signal.SIGINT)
+
     log, status = [""], None
     try:
         expect(fd, r">> $", log)
         for message in ("Hello", "Again"):
             os.write(fd, message.encode() + b"\r")
             expect(fd, message + r"\r\n.", log)  # the echo, then the reply starts
-            os.write(fd, b"\x03")
+            ctrl_c()
             expect(fd, r"\[interrupted\]\r\n>> $", log)
         os.write(fd, b"/stats\r")
         expect(fd, r"reused from the cache \(prompt snapshot\).*\(interrupted\).*>> $", log)
-        os.write(fd, b"\x03")  # Ctrl-C at the prompt leaves
+        ctrl_c()  # Ctrl-C at the prompt leaves
         status = wait_for_exit(pid, fd, log)
     finally:
         if status is None:

@@ -63,26 +63,28 @@ def _hash_shard(digest, path: Path) -> None:
         digest.update(f.read())
 
 
-def has_drafter(folder) -> bool:
-    """Whether a model folder holds the DSpark drafter (published `mtp.*` tensors, or the
-    `dspark-*` files of a converted folder)."""
+def _holds(folder, group: str, converted_entry) -> bool:
+    """Whether a model folder holds the tensors of the loader's `group`: a published folder's
+    index names them; a converted folder's manifest says so (`converted_entry(manifest)`)."""
     from .converted import is_converted, read_manifest
     from .loader import has_group, read_index
 
     folder = Path(folder)
     if is_converted(folder):
-        return bool(read_manifest(folder).get("dspark"))
-    return has_group(read_index(folder), "dspark")
+        return bool(converted_entry(read_manifest(folder)))
+    return has_group(read_index(folder), group)
 
 
-def has_vision_tower(folder: Path) -> bool:
+def has_drafter(folder) -> bool:
+    """Whether a model folder holds the DSpark drafter (published `mtp.*` tensors, or the
+    `dspark-*` files of a converted folder)."""
+    return _holds(folder, "dspark", lambda manifest: manifest.get("dspark"))
+
+
+def has_vision_tower(folder) -> bool:
     """Whether a model folder holds the vision tower (a converted folder: in its extras)."""
-    from .converted import is_converted, read_manifest
-    from .loader import has_group, read_index
+    return _holds(folder, "vision", lambda manifest: manifest.get("extras", {}).get("vision"))
 
-    if is_converted(folder):
-        return bool(read_manifest(folder).get("extras", {}).get("vision"))
-    return has_group(read_index(folder), "vision")
 
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",

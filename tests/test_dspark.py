@@ -103,6 +103,27 @@ def test_accepted_drafts_and_rollback(tiny, right):
     assert same(committed(model, cache), committed(model, plain_cache))
 
 
+def test_drafts_shrink_to_fill_the_context_exactly(tiny):
+    """Called with more tokens than the context holds, the cycles shrink their drafts near the
+    end so every position is used: plain greedy's tokens up to the last position, then the
+    context's error (a full cycle of 5 drafts near the end would fail 5 tokens early)."""
+    model, prompt = tiny
+    plain, _ = plain_run(model, prompt, 40)
+    oracle = Oracle(model, prompt, plain, right=5)
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    limit, model.cfg.max_position_embeddings = model.cfg.max_position_embeddings, len(prompt) + 23
+    tokens = []
+    try:
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            for token, _, _ in speculative_steps(model, logits, cache, sampling=Sampling(),
+                                                 max_tokens=1000, drafter=oracle):
+                tokens.append(token)
+    finally:
+        model.cfg.max_position_embeddings = limit
+    assert tokens == plain[:23]
+
+
 def test_every_cycle_leaves_the_plain_cache(tiny):
     """After each cycle (checked at every yielded anchor) the cache equals a plain run's cache
     over the same committed tokens."""

@@ -124,6 +124,31 @@ def test_drafts_shrink_to_fill_the_context_exactly(tiny):
     assert tokens == plain[:23]
 
 
+class ConfidentFor(Oracle):
+    """An oracle right about every draft whose confidences are sigmoid^-1 of `p`."""
+
+    def __init__(self, model, prompt, truth, p):
+        super().__init__(model, prompt, truth)
+        self.conf = mx.log(mx.array([p]) / (1 - mx.array([p])))
+
+    def draft(self, *args, **kwargs):
+        tokens, logits, _ = super().draft(*args, **kwargs)
+        return tokens, logits, self.conf
+
+
+@pytest.mark.parametrize("threshold,k", [(0.5, 2), (0.85, 1), (0.95, 0), (0.1, 3), (0.01, 4)])
+def test_confidence_schedule_verifies_the_surviving_prefix(tiny, threshold, k):
+    """Running products 0.9, 0.81, 0.405, 0.0405, 0.004: a threshold verifies exactly the drafts
+    whose product stays above it (all right, so all accepted), and the output is plain greedy."""
+    model, prompt = tiny
+    plain, _ = plain_run(model, prompt, 20)
+    drafter = ConfidentFor(model, prompt, plain, [0.9, 0.9, 0.5, 0.1, 0.1])
+    spec, _, _, stats = speculate(model, prompt, 20, drafter=drafter, draft_confidence=threshold)
+    assert spec == plain
+    assert stats.cycles == -(-20 // (k + 1)) and stats.accepted == 20 - stats.cycles
+    assert stats.proposed == stats.accepted
+
+
 def test_every_cycle_leaves_the_plain_cache(tiny):
     """After each cycle (checked at every yielded anchor) the cache equals a plain run's cache
     over the same committed tokens."""

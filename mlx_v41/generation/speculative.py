@@ -165,8 +165,9 @@ def _draft(model, drafter, cache: list, anchor: int, sampling: Sampling, k: int,
                                          mx.array([anchor]), cache[model.cfg.num_hidden_layers:],
                                          sample=sample)
     if confidence is not None:
-        survival = mx.cumprod(mx.sigmoid(conf[0]))
-        k = min(k, int(mx.sum(survival >= confidence).item()))
+        survival = mx.sum(mx.cumprod(mx.sigmoid(conf[0])) >= confidence)
+        mx.eval(tokens, survival)  # one wait on the draft pass, not one per result
+        k = min(k, int(survival.item()))
     q = None if sampling.temp == 0 else sampling.logprobs(_normalise(logits[0, :k]))
     return tokens[0, 1:k + 1].tolist(), q
 

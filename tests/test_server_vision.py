@@ -131,6 +131,21 @@ def test_image_part_spellings_and_streaming(live, loaded, twins):
     assert chunks[-1].usage.completion_tokens == len(tokens)
 
 
+def test_two_images_fill_their_placeholders_in_order(live, loaded, twins):
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(path)}} for path in twins]
+    messages = [{"role": "user", "content": [parts[0], {"type": "text", "text": "or"},
+                                             parts[1]]}]
+    text, _, prompt_tokens = reference(loaded, messages, 4)
+    assert prompt_tokens == text_tokens(loaded, messages) + 2 * (TWIN_SPAN - 1)
+    body = chat(live, messages, max_tokens=4)
+    assert body["choices"][0]["message"]["content"] == text
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    swapped = [{"role": "user", "content": [parts[1], {"type": "text", "text": "or"},
+                                            parts[0]]}]
+    assert chat(live, swapped, max_tokens=4)["choices"][0]["message"]["content"] == \
+        reference(loaded, swapped, 4)[0]
+
+
 # ----------------------------------------------------------------------------- prompt caches
 
 def before_span(loaded, messages) -> int:

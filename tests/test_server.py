@@ -126,7 +126,7 @@ BAD_BODIES = [
      "does not exist"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
-     "messages[0].content[0]", "not served yet"),
+     "messages[0].content[0]", "not an image"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice", "not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "n must be 1"),
@@ -147,7 +147,7 @@ def test_bad_input_is_an_openai_error(live, body, status, param, words):
 def test_bad_input_through_openai_and_the_next_request_works(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="not served yet"):
+    with pytest.raises(openai.BadRequestError, match="not an image"):
         client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     reply = client.completions.create(model=MODEL_ID, prompt="ok", max_tokens=1)

@@ -4,12 +4,16 @@ prompt-cache LRU (bytes bound, longest prefix, copies), and the CLI's flags and 
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from mlx_v41.cache import cache_bytes
 from mlx_v41.chat import format as cf
@@ -17,7 +21,9 @@ from mlx_v41.chat.format import encode_messages, parse_completion
 from mlx_v41.cli import server as cli
 from mlx_v41.generation.api import prefill
 from mlx_v41.generation.prompt_reuse import PromptCache
+from mlx_v41.model.config import VisionConfig
 from mlx_v41.server.engine import StopStrings
+from mlx_v41.server.images import ImageReader
 from mlx_v41.server.messages import allows_tool_calls, chat_messages, thinking_mode
 from mlx_v41.server.prompt_store import PromptCacheStore, align_to_tokens
 from mlx_v41.server.protocol import ChatCompletionRequest, RequestError, parse_body
@@ -166,6 +172,39 @@ def test_tool_choice_and_unsupported_parts():
             {"role": "user", "content": [{"type": "input_audio"}]}]}))
 
 
+def test_image_parts_become_chat_image_blocks():
+    """Decoded RGB images in the chat format's blocks, in order; without a reader (a model
+    without the tower) every image part is refused by name."""
+    pixels = np.zeros((30, 40, 4), np.uint8)
+    pixels[..., 0], pixels[..., 3] = 200, 255
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").save(buffer, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": uri}},
+        {"type": "image", "image": uri}]}]})
+    content = chat_messages(body, images=ImageReader(VisionConfig()))[0]["content"]
+    assert content[0] == {"type": "text", "text": "a"}
+    for block in content[1:]:
+        assert block["type"] == "image" and block["image"].mode == "RGB"
+        assert block["image"].size == (40, 30) and block["image"].getpixel((3, 3)) == (200, 0, 0)
+    assert cf.collect_images([{"role": "user", "content": content}]) == content[1:]
+    with pytest.raises(RequestError, match=r"^messages\[0\]\.content\[1\]: image input needs "
+                                           "the vision tower, but the model has no vision"):
+        chat_messages(body)
+
+
+@pytest.mark.parametrize("kind", ["JPEG", "WEBP", "GIF", "BMP"])
+def test_image_formats(kind):
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 200, 30)).save(buffer, format=kind)
+    uri = f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": uri}]}]})
+    [block] = chat_messages(body, images=ImageReader(VisionConfig()))[0]["content"]
+    assert block["image"].size == (40, 30) and block["image"].mode == "RGB"
+
+
 # ----------------------------------------------------------------------------- prompt store
 
 def state_for(model, tokenizer, text: str) -> PromptCache:
@@ -237,6 +276,9 @@ def test_flags_default_to_loopback_and_refuse_bad_values(capsys):
     args = cli.setup_arg_parser().parse_args(["--model", "demo"])
     assert (args.host, args.port, args.max_tokens, args.prompt_cache_dir) == \
         ("127.0.0.1", 8080, 512, None)
+    assert args.max_image_bytes == 20 * 10**6  # OpenAI's per-image limit
+    assert cli.setup_arg_parser().parse_args(["--model", "x", "--max-image-bytes", "5MB"]
+                                             ).max_image_bytes == 5 * 10**6
     with pytest.raises(SystemExit):
         cli.setup_arg_parser().parse_args(["--model", "x", "--prompt-cache-bytes", "lots"])
     assert "'lots' is not a size" in capsys.readouterr().err

@@ -11,13 +11,10 @@ chunkings hold bit for bit on MLX's CPU backend (the `cpu` fixture)."""
 from __future__ import annotations
 
 import io
-import json
 import sys
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from PIL import Image
 
 import mlx_v41
 from conftest import packed_state, reference_ops
@@ -26,25 +23,19 @@ from mlx_v41.chat.session import ChatSession
 from mlx_v41.checkpoint.loader import plan, read_index
 from mlx_v41.cli import chat as chat_cli
 from mlx_v41.cli import generate as generate_cli
-from mlx_v41.generation.prompt_reuse import PromptCache, _shared_spans, reuse_prompt_cache
+from mlx_v41.generation.prompt_reuse import PromptCache, shared_spans, reuse_prompt_cache
 from mlx_v41.model.vision import prepare_prompt
-from vision_fixtures import IMAGES, vision_checkpoint
+from vision_fixtures import IMAGES, SMALL_MIN_PIXELS, TWIN_SPAN, twin_images, \
+    vision_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
 RULE = "=" * 10
 
 
-SMALL_MIN_PIXELS = 9 * 14 * 14  # one 3 x 3 cell: images are not scaled up
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = vision_checkpoint(tmp_path_factory.mktemp("vision") / "hf")
-    config = json.loads((folder / "config.json").read_text())
-    config["vision_config"]["min_pixels"] = SMALL_MIN_PIXELS
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return vision_checkpoint(tmp_path_factory.mktemp("vision") / "hf", SMALL_MIN_PIXELS)
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +46,7 @@ def loaded(folder):
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    """Two images of one size (so equal token ids) but different pixels: 168 x 126, a 9 x 12
-    patch grid, 3 x 4 cells, 17 span positions."""
-    root = tmp_path_factory.mktemp("images")
-    paths = []
-    for k, colour in enumerate(((200, 30, 30), (30, 30, 200))):
-        pixels = np.zeros((126, 168, 3), np.uint8) + np.array(colour, np.uint8)
-        pixels[10:90, 5:60] = 255 - np.array(colour, np.uint8)
-        paths.append(root / f"twin_{k}.png")
-        Image.fromarray(pixels).save(paths[-1])
-    return paths
+    return twin_images(tmp_path_factory.mktemp("images"))
 
 
 def raw_ids(tokenizer, text: str) -> list:
@@ -97,7 +79,7 @@ def test_chunked_at_every_offset_inside_the_span(loaded, twins):
     (full prefill) and the last ones (exact CED prefill) and the caches equal one call's."""
     model, tokenizer = loaded
     prompt = image_prompt(model, tokenizer, twins[:1])
-    assert prompt.images[0].grid.span_tokens == 17
+    assert prompt.images[0].grid.span_tokens == TWIN_SPAN
     ids = mx.array([prompt.ids])
     for last_only in (False, True):
         one_cache, cache = model.make_cache(), model.make_cache()
@@ -173,7 +155,7 @@ def test_prompt_cache_never_pairs_a_prefix_with_another_image(loaded, twins):
     assert same_state(other.cache, fresh)
     n = len(first.ids)
     later = [dict(r, start=n + 3) for r in second.records()]  # a new image past the cache
-    assert _shared_spans(n, first.records(), first.records() + later) == n
+    assert shared_spans(n, first.records(), first.records() + later) == n
 
 
 # ---------------------------------------------------------------- API

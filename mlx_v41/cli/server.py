@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from .args import ArgumentParser, _number, add_model_arguments
+from ..server.images import DEFAULT_MAX_IMAGE_BYTES
 from ..server.routes import DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
@@ -56,6 +57,9 @@ def setup_arg_parser() -> ArgumentParser:
         default=DEFAULT_MAX_CONCURRENT,
         help="requests queued or running at most; more get HTTP 429 "
              f"(default {DEFAULT_MAX_CONCURRENT})")
+    add("--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
+        help="decoded bytes of one image part at most; larger ones get HTTP 400 "
+             f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default INFO)")
     return parser
@@ -82,7 +86,8 @@ def build_app(args):
     config = ServerConfig(model_id=args.model, max_tokens=args.max_tokens, temp=args.temp,
                           top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                           thinking=args.thinking, reasoning_effort=args.reasoning_effort,
-                          system_prompt=args.system_prompt)
+                          system_prompt=args.system_prompt,
+                          max_image_bytes=args.max_image_bytes)
     return create_app(engine, config)
 
 

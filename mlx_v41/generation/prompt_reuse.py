@@ -26,7 +26,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 
-def _shared_spans(keep: int, held: list, wanted: list) -> int:
+def shared_spans(keep: int, held: list, wanted: list) -> int:
     """`keep` cut at the first image span before it that the other side lacks or holds from
     another image (records: {"start", "length", "sha256"})."""
     by_start = {r["start"]: r for r in wanted}
@@ -66,7 +66,7 @@ class PromptCache:
         tokens kept, or None (the cache unchanged) when the rollback is more than the cache
         can undo exactly."""
         keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
-        keep = _shared_spans(keep, self.images, list(images))
+        keep = shared_spans(keep, self.images, list(images))
         try:
             trim_cache(self.cache, len(self.tokens) - keep)
         except CacheError:

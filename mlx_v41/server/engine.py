@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..generation.api import prefill, stream_decode, wired_limit
 from ..generation.speculative import Sampling
+from ..model.vision.prompt import ImagePrompt, prepare_prompt
 from .prompt_store import PromptCacheStore, align_to_tokens
 from .reply_parser import held_suffix
 
@@ -87,10 +88,11 @@ class StopStrings:
 
 
 class Job:
-    """One request: its prompt and settings, its event queue (filled from the worker thread)
-    and its cancel flag."""
+    """One request: its prompt (an `ImagePrompt`: ids with image spans) and settings, its event
+    queue (filled from the worker thread) and its cancel flag."""
 
-    def __init__(self, prompt: list, settings: Settings, loop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt: ImagePrompt, settings: Settings,
+                 loop: asyncio.AbstractEventLoop):
         self.prompt, self.settings, self.loop = prompt, settings, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -164,7 +166,11 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._jobs)
 
-    def submit(self, prompt: list, settings: Settings) -> Job:
+    def submit(self, prompt, settings: Settings) -> Job:
+        """Queue a request; `prompt` is token ids or an `ImagePrompt` (images' spans expanded,
+        their tower rows computed by the worker)."""
+        if not isinstance(prompt, ImagePrompt):
+            prompt = prepare_prompt(self.model, list(prompt))
         job = Job(prompt, settings, asyncio.get_running_loop())
         with self._jobs_lock:
             if self._closing:
@@ -198,7 +204,7 @@ class Engine:
     def _serve(self, job: Job) -> None:
         try:
             if job.cancelled.is_set():
-                result = Finish("cancelled", len(job.prompt), 0, 0)
+                result = Finish("cancelled", len(job.prompt.ids), 0, 0)
             else:
                 with self.lock, wired_limit(self.model):
                     result = self._run(job)
@@ -222,22 +228,27 @@ class Engine:
         settings = job.settings
         if settings.seed is not None:
             mx.random.seed(settings.seed)
-        state = self.store.fetch(job.prompt)
+        prompt, records = job.prompt, job.prompt.records()
+        state = self.store.fetch(prompt.ids, records)
         cached = len(state.tokens)
-        todo = job.prompt[cached:]
+        todo = prompt.ids[cached:]
         tic = time.perf_counter()
-        logits = prefill(self.model, todo, state.cache, self.prefill_step_size)
+        # The tower runs here, for the images whose spans reach past the reused prefix.
+        logits = prefill(self.model, todo, state.cache, self.prefill_step_size,
+                         images=prompt.inputs(self.model, cached))
         seconds = time.perf_counter() - tic
         state.tokens.extend(todo)
+        state.images = records
         snapshot = state.copy()  # the prompt: a thinking-mode next turn resumes here
         tokens, reason, tail = self._decode(job, state, logits, len(todo), seconds)
         state.tokens.extend(tokens)
         self.store.insert(snapshot)  # only now: a failed request leaves the store as it was
         if align_to_tokens(state):
             self.store.insert(state)
-        log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s), %d generated, %s",
-                 len(job.prompt), cached, len(todo), seconds, len(tokens), reason)
-        return Finish(reason, len(job.prompt), len(tokens), cached, tail)
+        log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s, %d images), %d "
+                 "generated, %s", len(prompt.ids), cached, len(todo), seconds, len(records),
+                 len(tokens), reason)
+        return Finish(reason, len(prompt.ids), len(tokens), cached, tail)
 
     def _decode(self, job: Job, state, logits, prefilled: int, seconds: float) -> tuple:
         """Stream the reply's tokens to the job; (tokens, finish reason, held text)."""
@@ -246,7 +257,8 @@ class Engine:
         responses = stream_decode(
             self.model, self.tokenizer, logits, state.cache, prompt_tokens=prefilled,
             prompt_seconds=seconds, max_tokens=settings.max_tokens, sampler=self._sampler(settings),
-            logits_processors=settings.processors or None, history=job.prompt, **self.draft)
+            logits_processors=settings.processors or None, history=job.prompt.ids,
+            **self.draft)
         try:
             for response in responses:
                 tokens.append(response.token)

@@ -1,5 +1,5 @@
-"""OpenAI chat requests in V4.1's terms: messages as the chat format's dicts, the thinking mode
-and reasoning effort, `tool_choice`, and the one place image parts are handled.
+"""OpenAI chat requests in V4.1's terms: messages as the chat format's dicts (image parts as
+its image blocks), the thinking mode and reasoning effort, and `tool_choice`.
 """
 
 from __future__ import annotations
@@ -7,35 +7,29 @@ from __future__ import annotations
 from typing import Optional
 
 from ..chat import format as cf
+from .images import IMAGE_PART_TYPES, ImageReader
 from .protocol import ChatCompletionRequest, ChatMessage, RequestError
 
 # OpenAI's reasoning_effort names on V4.1's scale; V4.1's own (low, high, max, 1-100) pass.
 OPENAI_EFFORTS = {"minimal": "low", "medium": "high", "xhigh": "max"}
 NO_REASONING = "none"  # OpenAI's "no reasoning": V4.1's chat mode
-IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+NO_VISION = ImageReader(None)  # what a caller that names no reader gets: images refused
 
 
-def check_images(message: ChatMessage, where: str) -> None:
-    """Image parts are refused: the server does not pass images to the vision tower yet (the
-    place to collect them for it)."""
-    for k, part in enumerate(message.content if isinstance(message.content, list) else ()):
-        if part.type in IMAGE_PART_TYPES:
-            raise RequestError(f"{where}.content[{k}]: image input is not served yet (the "
-                               "server does not pass images to the vision tower; use "
-                               "mlx_v41.generate --image or stream_generate(images=...))",
-                               param=f"{where}.content[{k}]", code="unsupported_content")
-
-
-def _content(message: ChatMessage, where: str):
-    """Message content for the chat format: a string, or its text parts."""
+def _content(message: ChatMessage, where: str, images: ImageReader):
+    """Message content for the chat format: a string, or its text and image blocks."""
     if not isinstance(message.content, list):
         return message.content
     blocks = []
     for k, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
-            raise RequestError(f"{where}.content[{k}]: content part type {part.type!r} is not "
-                               "supported (text parts only)", param=f"{where}.content[{k}]")
-        blocks.append({"type": "text", "text": part.text})
+        at = f"{where}.content[{k}]"
+        if part.type in IMAGE_PART_TYPES:
+            blocks.append(images.block(part, message.role, at))
+        elif part.type == "text" and part.text is not None:
+            blocks.append({"type": "text", "text": part.text})
+        else:
+            raise RequestError(f"{at}: content part type {part.type!r} is not supported "
+                               "(text and image parts only)", param=at)
     return blocks
 
 
@@ -45,15 +39,16 @@ def _tool_calls(message: ChatMessage) -> list:
             for call in message.tool_calls or ()]
 
 
-def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] = None) -> list:
+def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] = None,
+                  images: ImageReader = NO_VISION) -> list:
     """The request's messages as `chat.format` dicts (developer messages are system
-    messages); `system_prompt` opens a conversation that has no system message."""
+    messages); `system_prompt` opens a conversation that has no system message; `images`
+    decodes image parts (into blocks `chat.format.collect_images` finds)."""
     out = []
     for k, message in enumerate(request.messages):
         where = f"messages[{k}]"
-        check_images(message, where)
         entry = {"role": "system" if message.role == "developer" else message.role,
-                 "content": _content(message, where)}
+                 "content": _content(message, where, images)}
         if message.role == "assistant":
             reasoning = message.reasoning_content or message.reasoning
             if reasoning:

@@ -1,9 +1,9 @@
 """The server's prompt caches: an LRU of cached token prefixes bounded in bytes (`cache_bytes`),
-reused by the longest common token prefix, optionally mirrored in a folder so that a restarted
-server starts warm. Files carry the model's fingerprints (config, weights, prefill mode) and are
-refused for any other model. mlx-lm's `LRUPromptCache` is not used: it deep-copies caches and
-trims with its own helpers, while ours copy for free and roll back only as far as
-`trim_cache` stays exact.
+reused by the longest common prefix (tokens, and the image each span came from), optionally
+mirrored in a folder so that a restarted server starts warm. Files carry the model's
+fingerprints (config, weights, prefill mode) and are refused for any other model. mlx-lm's
+`LRUPromptCache` is not used: it deep-copies caches and trims with its own helpers, while ours
+copy for free and roll back only as far as `trim_cache` stays exact.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..cache.layer import CacheError, cache_bytes, trim_cache
 from ..cache.persistence import fingerprints, load_prompt_cache
-from ..generation.prompt_reuse import PromptCache, write_prompt_cache
+from ..generation.prompt_reuse import PromptCache, shared_spans, write_prompt_cache
 
 log = logging.getLogger("mlx_v41.server")
 
@@ -31,8 +31,9 @@ SUFFIX = ".safetensors"
 
 @dataclass
 class _Entry:
-    """One cached prefix: the cache, its tokens (also as an array for fast prefix matching),
-    its bytes, when it was last used and its file (when persisted)."""
+    """One cached prefix: the cache, its tokens (also as an array for fast prefix matching)
+    and image spans (in `state.images`), its bytes, when it was last used and its file (when
+    persisted)."""
 
     state: PromptCache
     ids: np.ndarray
@@ -77,16 +78,18 @@ class PromptCacheStore:
         self._clock += 1
         return self._clock
 
-    def fetch(self, prompt: list) -> PromptCache:
-        """A copy of the entry sharing the longest prefix with `prompt`, rewound to it (at
-        least one prompt token is left to run), or an empty cache."""
-        ids = np.asarray(prompt, dtype=np.int64)
-        ranked = sorted(self.entries, key=lambda e: -common_prefix(e.ids, ids))
-        for entry in ranked:
-            if common_prefix(entry.ids, ids) == 0:
+    def fetch(self, prompt: list, images: list = ()) -> PromptCache:
+        """A copy of the entry sharing the longest prefix with `prompt` and its image spans
+        `images` (`ImagePrompt.records()`), rewound to it (at least one prompt token is left
+        to run), or an empty cache."""
+        ids, images = np.asarray(prompt, dtype=np.int64), list(images)
+        ranked = sorted(((_shared(e, ids, images), e) for e in self.entries),
+                        key=lambda pair: -pair[0])
+        for shared, entry in ranked:
+            if shared == 0:
                 break
             trial = entry.state.copy()
-            if trial.rewind_for(prompt) is not None:
+            if trial.rewind_for(prompt, images) is not None:
                 entry.used = self._tick()
                 _touch(entry)
                 return trial
@@ -124,9 +127,10 @@ class PromptCacheStore:
 
     # ------------------------------------------------------------------ persistence
 
-    def _file_for(self, tokens: list) -> Path:
+    def _file_for(self, state: PromptCache) -> Path:
         digest = hashlib.sha256(self._identity.encode())
-        digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
+        digest.update(np.asarray(state.tokens, dtype=np.int64).tobytes())
+        digest.update(json.dumps(state.images, sort_keys=True).encode())
         return self.folder / f"prompt-{digest.hexdigest()[:32]}{SUFFIX}"
 
     def flush(self) -> None:
@@ -138,11 +142,10 @@ class PromptCacheStore:
         for entry in self.entries:
             if entry.is_written:
                 continue
-            entry.path = entry.path or self._file_for(entry.state.tokens)
+            entry.path = entry.path or self._file_for(entry.state)
             try:
                 write_prompt_cache(entry.path, entry.state.cache, self.model,
-                                   {"format": ENTRY_FORMAT,
-                                    "tokens": json.dumps(entry.state.tokens)})
+                                   {"format": ENTRY_FORMAT, **entry.state.metadata()})
                 entry.is_written = True
             except OSError as e:
                 log.warning("prompt cache not persisted: %s", e)
@@ -182,12 +185,12 @@ class PromptCacheStore:
         if meta.get("format") != ENTRY_FORMAT:
             log.warning("prompt cache refused: %s: not a server prompt-cache entry", path)
             return None
-        tokens = json.loads(meta["tokens"])
-        if cache[0].offset != len(tokens):
+        state = PromptCache.from_metadata(cache, meta)
+        if cache[0].offset != len(state.tokens):
             log.warning("prompt cache refused: %s: %d tokens listed for %d cached positions",
-                        path, len(tokens), cache[0].offset)
+                        path, len(state.tokens), cache[0].offset)
             return None
-        return PromptCache(cache, tokens)
+        return state
 
 
 def _touch(entry: _Entry) -> None:
@@ -199,11 +202,17 @@ def _touch(entry: _Entry) -> None:
             entry.path, entry.is_written = None, False
 
 
+def _shared(entry: _Entry, ids: np.ndarray, images: list) -> int:
+    """Positions `entry` shares with a prompt: the common token prefix, cut at the first image
+    span that came from another image."""
+    return shared_spans(common_prefix(entry.ids, ids), entry.state.images, images)
+
+
 def _covers(big: _Entry, small: _Entry) -> bool:
-    """`big` can stand in for `small`: its tokens extend `small`'s and it can roll back to
-    them exactly."""
+    """`big` can stand in for `small`: its tokens and image spans extend `small`'s and it can
+    roll back to them exactly."""
     extra = len(big.ids) - len(small.ids)
-    return (extra >= 0 and common_prefix(big.ids, small.ids) == len(small.ids)
+    return (extra >= 0 and _shared(big, small.ids, small.state.images) == len(small.ids)
             and extra <= _rollback(big.state.cache))
 
 

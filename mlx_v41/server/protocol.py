@@ -29,7 +29,8 @@ class _Body(BaseModel):
 class ContentPart(_Body):
     type: str
     text: Optional[str] = None
-    image_url: Optional[Any] = None
+    image_url: Optional[Any] = None  # {"url": "data:..."} or the URI itself
+    image: Optional[Any] = None  # the same, under the name of the "image" part type
 
 
 class FunctionCall(_Body):

@@ -1,6 +1,7 @@
 """The FastAPI app: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /health`. Routes validate, render the prompt and hand it to the engine; errors come back
-in OpenAI's JSON shape; a client that goes away cancels its request.
+`GET /health`. Routes validate, render the prompt (image placeholders expanded into their
+spans) and hand it to the engine; errors come back in OpenAI's JSON shape; a client that goes
+away cancels its request.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..chat import format as cf
 from ..generation.api import PromptTooLongError, check_context
+from ..model.vision.prompt import ImagePrompt, prepare_prompt
 from .engine import Engine, EngineBusy, EngineClosed, Settings, Token
+from .images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReader
 from .messages import allows_tool_calls, chat_messages, thinking_mode
 from .processors import request_processors
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
@@ -33,8 +37,9 @@ DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
 
 @dataclass
 class ServerConfig:
-    """What the CLI decides for every request: the served name and the values of fields a
-    request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings)."""
+    """What the CLI decides for every request: the served name, the values of fields a
+    request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings) and
+    the limits on each image part (decoded bytes, width x height)."""
 
     model_id: str
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -45,6 +50,8 @@ class ServerConfig:
     thinking: bool = True
     reasoning_effort: object = None
     system_prompt: Optional[str] = None
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def check_model(self, name: Optional[str]) -> None:
         if name not in (None, self.model_id, Path(self.model_id).name, DEFAULT_MODEL_ALIAS):
@@ -143,9 +150,11 @@ async def _json(request: Request):
 
 
 def _chat_prompt(app: FastAPI, body: ChatCompletionRequest) -> tuple:
-    """(prompt ids, thinking mode, whether tool calls may be generated)."""
-    config, tokenizer = app.state.config, app.state.engine.tokenizer
-    messages = chat_messages(body, config.system_prompt)
+    """(`ImagePrompt`, thinking mode, whether tool calls may be generated)."""
+    config, engine = app.state.config, app.state.engine
+    tokenizer = engine.tokenizer
+    images = ImageReader.for_model(engine.model, config.max_image_bytes, config.max_image_pixels)
+    messages = chat_messages(body, config.system_prompt, images)
     thinking, effort = thinking_mode(body, config.thinking, config.reasoning_effort)
     allow_calls = allows_tool_calls(body)
     if tokenizer.missing_chat_tokens:
@@ -159,10 +168,18 @@ def _chat_prompt(app: FastAPI, body: ChatCompletionRequest) -> tuple:
                                                reasoning_effort=effort)
     except ValueError as e:
         raise RequestError(str(e), param="messages") from None
-    return prompt, thinking, allow_calls
+    return _expanded(app, prompt, cf.collect_images(messages), "messages"), thinking, allow_calls
 
 
-def _completion_prompt(app: FastAPI, body: CompletionRequest) -> list:
+def _expanded(app: FastAPI, ids: list, images: list, param: str) -> ImagePrompt:
+    """`ids` with each image placeholder expanded into its image's span (as generate does)."""
+    try:
+        return prepare_prompt(app.state.engine.model, ids, images)
+    except ValueError as e:
+        raise RequestError(str(e), param=param) from None
+
+
+def _completion_prompt(app: FastAPI, body: CompletionRequest) -> ImagePrompt:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -170,22 +187,22 @@ def _completion_prompt(app: FastAPI, body: CompletionRequest) -> list:
                                param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return app.state.engine.tokenizer.encode_prompt(prompt)
+        return _expanded(app, app.state.engine.tokenizer.encode_prompt(prompt), [], "prompt")
     if not prompt:
         raise RequestError("prompt is empty", param="prompt")
     vocab = app.state.engine.model.args.text_config.vocab_size
     if not all(0 <= t < vocab for t in prompt):
         raise RequestError(f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
-    return list(prompt)
+    return _expanded(app, list(prompt), [], "prompt")
 
 
-def _submit(app: FastAPI, body, prompt: list, allow_calls: bool):
+def _submit(app: FastAPI, body, prompt: ImagePrompt, allow_calls: bool):
     engine = app.state.engine
     try:
-        check_context(engine.model, 0, len(prompt))
+        check_context(engine.model, 0, len(prompt.ids))
     except PromptTooLongError as e:
         raise RequestError(str(e), param="messages", code="context_length_exceeded") from None
-    return engine.submit(prompt, _settings(app, body, prompt, allow_calls))
+    return engine.submit(prompt, _settings(app, body, prompt.ids, allow_calls))
 
 
 def _settings(app: FastAPI, body, prompt: list, allow_calls: bool) -> Settings:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import math
@@ -47,14 +48,22 @@ class ImageGrid:
         return self.llm_h * (self.llm_w + 1) + 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PreparedImage:
-    """One image ready for the tower: patches [n, 3 * patch * patch] bf16 in (channel, y, x)
-    order, row-major over the ViT grid, and the sha256 of the decoded pixels."""
+    """One image planned for the tower: the decoded RGB image, its grid, the sha256 of its
+    pixels, and `patches` [n, 3 * patch * patch] bf16 in (channel, y, x) order, row-major over
+    the ViT grid. The patches are made on first use, so planning a prompt builds no MLX graph
+    (a server plans on its request thread and runs the tower on its engine thread)."""
 
-    patches: mx.array
+    image: Image.Image
     grid: ImageGrid
     sha256: str
+    patch_size: int
+
+    @functools.cached_property
+    def patches(self) -> mx.array:
+        pixels = normalize(resize_and_pad(self.image, self.grid))
+        return patchify(pixels, self.patch_size)
 
 
 def _cells(patches: int, ratio: int) -> int:
@@ -225,12 +234,11 @@ def patchify(pixels: mx.array, patch: int) -> mx.array:
 
 
 def prepare_image(source: ImageSource, cfg) -> PreparedImage:
-    """Decode, plan, pad-resize, normalise and patch one image for `cfg` (a VisionConfig)."""
+    """Decode and plan one image for `cfg` (a VisionConfig); its patches (pad-resized,
+    normalised) are made when first read."""
     image = load_image(source)
     grid = plan_image_grid(image.width, image.height, cfg)
-    pixels = normalize(resize_and_pad(image, grid))
-    patches = patchify(pixels, cfg.patch_size)
-    return PreparedImage(patches, grid, pixel_hash(image))
+    return PreparedImage(image, grid, pixel_hash(image), cfg.patch_size)
 
 
 def pixel_hash(image: Image.Image) -> str:

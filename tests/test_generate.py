@@ -404,8 +404,11 @@ def cli(*args):
 def test_python_m_generate_and_ctrl_c():
     """`python -m mlx_v41.generate` starts without warnings; Ctrl-C ends it with one line."""
     argv, env = cli("-m", "mlx_v41.generate", "--model", str(GOLDEN), "-p", "Hi", "-m", "400")
+    # SIGINT as a user's shell leaves it, whatever the test runner inherited (an ignored
+    # SIGINT would stay ignored in the child).
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                           signal.SIG_DFL))
     try:
         assert process.stdout.readline() == RULE + "\n"  # generation has started
         time.sleep(0.5)

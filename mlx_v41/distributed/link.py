@@ -79,6 +79,12 @@ class Link:
         self.reduced += x.nbytes
         return self._eval(mx.distributed.all_sum(x, group=self.group), None, what)
 
+    def reduce(self, x: mx.array) -> mx.array:
+        """`all_sum` left lazy, inside the caller's graph (tensor parallel: a few per layer;
+        a lost peer then surfaces as MLX's error where the graph is evaluated)."""
+        self.reduced += x.nbytes
+        return mx.distributed.all_sum(x, group=self.group)
+
     def all_gather(self, x: mx.array, what: str) -> mx.array:
         """[size * n, ...]: every rank's `x` in rank order."""
         return self._eval(mx.distributed.all_gather(x, group=self.group), None, what)

@@ -74,9 +74,17 @@ def test_each_rank_loads_its_share_from_published_and_converted_folders(tmp_path
                         progress=False, log=lambda line: None)
     whole = dict(tree_flatten(load_model(source, dspark=False, vision=False).parameters()))
     split = 0
+    whole_bytes = sum(v.nbytes for v in whole.values())
     for rank in range(2):
         for folder in (source, converted):
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
             got = dict(tree_flatten(load_share(folder, rank).parameters()))
+            share = sum(v.nbytes for v in got.values())
+            if folder == source:  # only the share is ever read: measured share + 76 KB
+                peak = mx.get_peak_memory() - before
+                assert peak < share + 0.2 * (whole_bytes - share), (peak, share, whole_bytes)
             assert set(got) == set(whole)
             for name, value in got.items():
                 want = expected_share(name, whole[name], rank, 2)

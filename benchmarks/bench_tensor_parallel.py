@@ -63,16 +63,17 @@ def real_width_bytes() -> None:
     per_layer = 3 * d * FP32  # o_b_proj products + [routed, shared] expert sums
     decode = layers * per_layer
     boundary = cfg.hc_mult * d * 2 + cfg.hc_mult * FP32
-    logits = cfg.vocab_size * FP32
+    token = 4  # the last rank's sampled token (int32), reduced instead of the logits
     print(f"real widths (D {d}, {layers} layers, vocab {cfg.vocab_size}), bytes a rank adds to "
           f"reductions:")
     print(f"  tensor parallel: {per_layer:,} B per layer per row; decode token {decode:,} B; "
           f"CED prefill token {encoder * per_layer:,} B (encoder layers 0-{encoder - 1}; the "
           f"decoder's halo rows add {layers - encoder} x {per_layer:,} B each); full prefill "
           f"token {decode:,} B")
-    print(f"  pipeline (2 ranks): boundary {boundary:,} B + logits {logits:,} B = "
-          f"{boundary + logits:,} B per decode token; {boundary:,} B per prefill token")
-    print(f"  ratio tensor / pipeline per decode token: {decode / (boundary + logits):.1f}x; "
+    print(f"  pipeline (2 ranks): boundary {boundary:,} B + token {token} B = "
+          f"{boundary + token:,} B per decode token (before sampling on the last rank: + "
+          f"{cfg.vocab_size * FP32:,} B of logits); {boundary:,} B per prefill token")
+    print(f"  ratio tensor / pipeline per decode token: {decode / (boundary + token):.0f}x; "
           f"{2 * layers} reductions per token against 1 boundary + 1 reduction")
 
 

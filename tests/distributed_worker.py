@@ -34,7 +34,7 @@ def prompt(checkpoint: Path) -> mx.array:
 
 def scenario(load, checkpoint: Path, on_step=None) -> dict:
     """Logits of: an exact CED prefill (last row), a full prefill (every row), a chunked CED
-    prefill, and greedy decode steps after it."""
+    prefill, and greedy decode steps after it (the token every rank agrees on)."""
     out = {}
     model = load("ced")
     ids = prompt(checkpoint)
@@ -48,8 +48,8 @@ def scenario(load, checkpoint: Path, on_step=None) -> dict:
     out["chunked_last"] = logits
     steps = []
     for step in range(DECODE_STEPS):
-        token = mx.argmax(logits[:, -1], axis=-1)[:, None].astype(mx.int32)
-        logits = model(token, cache)
+        token = model.agree_on_token(mx.argmax(logits[:, -1], axis=-1)[:, None])
+        logits = model(token.astype(mx.int32), cache)
         steps.append(logits)
         if on_step is not None:
             on_step(step)
@@ -65,9 +65,9 @@ def grow_greedy(model) -> np.ndarray:
     logits = model(ids, cache, last_only=True)
     tokens = []
     for _ in range(GROW_STEPS):
-        token = mx.argmax(logits[:, -1], axis=-1)[:, None].astype(mx.int32)
+        token = model.agree_on_token(mx.argmax(logits[:, -1], axis=-1)[:, None])
         tokens.append(token.item())
-        logits = model(token, cache)
+        logits = model(token.astype(mx.int32), cache)
     return np.array(tokens)
 
 
@@ -117,7 +117,8 @@ def main() -> int:
         sent = {}
         for name, ids in (("prefill", prompt(checkpoint)), ("decode", mx.array([[5]]))):
             before = (link.sent, link.reduced)
-            model(ids, models.setdefault("probe", model.make_cache()), last_only=True)
+            logits = model(ids, models.setdefault("probe", model.make_cache()), last_only=True)
+            model.agree_on_token(mx.argmax(logits[:, -1], axis=-1))
             sent[name] = (link.sent - before[0], link.reduced - before[1])
     except DistributedError as e:
         print(e, file=sys.stderr, flush=True)
@@ -129,7 +130,7 @@ def main() -> int:
               "digest": hashlib.sha256(b"".join(v.tobytes() for v in values.values())).hexdigest()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
-    if rank == 0:
+    if rank == link.size - 1:  # a pipeline's logits are the last rank's
         np.savez(args.out / "logits.npz", **values)
     return 0
 

@@ -77,7 +77,11 @@ class Link:
         if self.size == 1:
             return x
         self.reduced += x.nbytes
-        return self._eval(mx.distributed.all_sum(x, group=self.group), None, what)
+        return self._eval(mx.distributed.all_sum(x, group=self.group), self._other(), what)
+
+    def _other(self) -> Optional[int]:
+        """The peer a collective lost: known when there is only one other rank."""
+        return 1 - self.rank if self.size == 2 else None
 
     def reduce(self, x: mx.array) -> mx.array:
         """`all_sum` left lazy, inside the caller's graph (tensor parallel: a few per layer;
@@ -87,7 +91,7 @@ class Link:
 
     def all_gather(self, x: mx.array, what: str) -> mx.array:
         """[size * n, ...]: every rank's `x` in rank order."""
-        return self._eval(mx.distributed.all_gather(x, group=self.group), None, what)
+        return self._eval(mx.distributed.all_gather(x, group=self.group), self._other(), what)
 
 
 def _prod(dims) -> int:

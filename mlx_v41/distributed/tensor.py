@@ -23,7 +23,7 @@ import mlx.nn as nn
 from ..checkpoint.slicing import Shard
 from ..model.layers import QuantLinear, allocate_quantized
 from ..model.model import Model
-from ..model.moe import MoE, _add_shared, _bf16_rounded
+from ..model.moe import MoE
 from ..model.quant import WEIGHT_BLOCK, act_fp8_qdq
 from .link import Link
 
@@ -88,12 +88,9 @@ class ShardedMoE(MoE):
         local = mx.where(mine, ids - self.first_expert, 0)
         weights = mx.where(mine, weights, 0.0)
         flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
-        routed = self.experts.switch_mlp(flat, local.reshape(batch * length, -1),
-                                         weights.reshape(batch * length, -1))
-        partial = mx.stack([mx.sum(_bf16_rounded(routed), axis=1),
-                            self.shared_experts(x, flat)])
+        partial = mx.stack([self.routed_sum(flat, local, weights), self.shared_experts(x, flat)])
         routed, shared = self.link.reduce(partial)
-        return _add_shared(routed, shared).reshape(batch, length, dim)
+        return self.combine(routed, shared).reshape(batch, length, dim)
 
 
 class TensorParallelModel(Model):
@@ -118,15 +115,15 @@ class TensorParallelModel(Model):
     def _shard_attention(self, path: str, attn) -> None:
         cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of
         heads, groups, d = cfg.num_attention_heads // size, cfg.o_groups // size, cfg.head_dim
-        rank_dims = cfg.o_lora_rank
+        lora = cfg.o_lora_rank
         _resize(attn.q_b_proj, (), heads * d, cfg.q_lora_rank)
         plan.add(f"{path}.q_b_proj", "out", rank, heads * d, cfg.num_attention_heads * d)
         attn.sinks = mx.zeros((heads,), mx.float32)
         plan.add(f"{path}.sinks", "lead", rank, heads, cfg.num_attention_heads)
-        _resize(attn.o_a_proj, (groups,), rank_dims, heads * d // groups)
+        _resize(attn.o_a_proj, (groups,), lora, heads * d // groups)
         plan.add(f"{path}.o_a_proj", "lead", rank, groups, cfg.o_groups)
-        _resize(attn.o_b_proj, (), cfg.hidden_size, groups * rank_dims)
-        plan.add(f"{path}.o_b_proj", "in", rank, groups * rank_dims, cfg.o_groups * rank_dims)
+        _resize(attn.o_b_proj, (), cfg.hidden_size, groups * lora)
+        plan.add(f"{path}.o_b_proj", "in", rank, groups * lora, cfg.o_groups * lora)
         attn.o_b_proj.__class__ = ReducedLinear
         attn.o_b_proj.link = self.link
         attn.heads = heads

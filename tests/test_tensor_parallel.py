@@ -173,3 +173,20 @@ def test_generate_cli_tensor_parallel_matches_one_process(tmp_path, capsys):
     assert result.stdout.split("=" * 10)[1] == one
     assert generate_main([str(a) for a in args] + ["--tensor-parallel", "--pipeline"]) == 1
     assert "do not combine" in capsys.readouterr().err
+
+
+def test_converted_shares_that_do_not_fit_the_packing_are_one_line():
+    """A requantized folder (affine, other group sizes or bits): a share must hold whole
+    scale groups and whole uint32 words."""
+    from mlx_v41.checkpoint import slicing
+    from mlx_v41.checkpoint.safetensors_io import CheckpointError
+
+    share = slicing.Shard("in", 576, 1152, 1152)  # the shared expert's down_proj, rank 1 of 2
+    four_bit = SimpleNamespace(bits=4, group_size=64)
+    assert slicing.converted(share, "weight", four_bit, "w") == (Ellipsis, slice(72, 144))
+    assert slicing.converted(share, "scales", four_bit, "w") == (Ellipsis, slice(9, 18))
+    with pytest.raises(CheckpointError, match="tensor w: the share 576:1152 does not fall on "
+                                              "its 128-element scale blocks"):
+        slicing.converted(share, "scales", SimpleNamespace(bits=4, group_size=128), "w")
+    with pytest.raises(CheckpointError, match="tensor w: 6-bit words do not split"):
+        slicing.converted(share, "weight", SimpleNamespace(bits=6, group_size=64), "w")

@@ -63,6 +63,9 @@ def converted(shard: Shard, leaf: str, module, key: str) -> tuple:
     if shard.axis == "out":
         return (Ellipsis, part, ALL)
     if leaf == "weight":  # K packed bits/32 to a uint32 word
+        if 32 % module.bits:
+            raise CheckpointError(f"tensor {key}: {module.bits}-bit words do not split along "
+                                  "the input (tensor parallel needs 2, 4 or 8 bits here)")
         per_word = 32 // module.bits
         return (Ellipsis, _blocks(shard, per_word, key))
     return (Ellipsis, _blocks(shard, module.group_size, key))

@@ -134,16 +134,18 @@ def _free_ports(n: int) -> list:
     return ports
 
 
-def test_killed_rank_ends_the_others(tmp_path):
+@pytest.mark.parametrize("split", ["auto", "tensor"])
+def test_killed_rank_ends_the_others(tmp_path, split):
     """Two ranks started by hand (no launcher to clean up): rank 1 kills itself during
-    decoding; rank 0 must exit by itself, soon, with one line naming rank 1."""
+    decoding; rank 0 must exit by itself, soon, with one line naming rank 1 (pipeline and
+    tensor parallel)."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, golden_checkpoint("tiny"), "auto", tmp_path / "out",
+            [sys.executable, WORKER, golden_checkpoint("tiny"), split, tmp_path / "out",
              "--kill-rank", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True))
     tic = time.monotonic()

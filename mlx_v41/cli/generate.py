@@ -27,7 +27,7 @@ from ..generation.api import GenerationResponse, prefill, print_stats, stream_de
 from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
 from ..generation.api import PrefillProgress
 from ..distributed.cli import add_distributed_arguments, distributed_loader
-from ..distributed.link import DistributedError
+from ..distributed.link import DistributedError, is_backend_error
 from ..model.vision.prompt import prepare_prompt
 
 
@@ -133,4 +133,9 @@ def main(argv=None) -> int:
         return 130
     except (ValueError, OSError, DistributedError) as e:  # CheckpointError, ConfigError, ...
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a collective evaluated by the decode loop lost a rank
+        if not is_backend_error(e):
+            raise
+        print(f"error: lost a rank during generation ({e})", file=sys.stderr)
         return 1

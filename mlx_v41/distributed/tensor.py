@@ -25,7 +25,7 @@ from ..model.layers import QuantLinear, allocate_quantized
 from ..model.model import Model
 from ..model.moe import MoE
 from ..model.quant import WEIGHT_BLOCK, act_fp8_qdq
-from .link import Link
+from .link import Link, is_backend_error
 
 
 class ShardError(ValueError):
@@ -111,6 +111,16 @@ class TensorParallelModel(Model):
         for i, layer in enumerate(self.model.layers):
             self._shard_attention(f"model.layers.{i}.self_attn", layer.self_attn)
             self._shard_moe(f"model.layers.{i}.mlp", layer.mlp)
+
+    def forward(self, *args, **kwargs):
+        """`Model.forward`; a collective that failed inside it (a rank lost) raises one
+        DistributedError line (one evaluated later, by the caller, raises MLX's error)."""
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as e:
+            if not is_backend_error(e):
+                raise
+            raise self.link.lost(e, "computing a layer") from None
 
     def _shard_attention(self, path: str, attn) -> None:
         cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of

@@ -107,7 +107,7 @@ def main() -> int:
     try:
         values = scenario(load, checkpoint, on_step)
         model = models["ced"]
-        link = model.link if tensor else model.stage.link
+        link = model.link
         if tensor:
             values["grow"] = grow_greedy(model)
         if args.wide is not None:

@@ -1,5 +1,6 @@
-"""`--pipeline` and `--tensor-parallel` for the CLIs: every rank loads its share of its own local copy of the folder,
-rank 0 alone prints (the others' stdout goes nowhere; their errors still reach stderr)."""
+"""`--pipeline` and `--tensor-parallel` for the CLIs: every rank loads its share of its own
+local copy of the folder, rank 0 alone prints (the others' stdout goes nowhere; their errors
+still reach stderr)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,11 @@ def distributed_loader(args):
         if args.pipeline:
             model, tokenizer = start_pipeline(path, split=args.pipeline,
                                               timeout=args.distributed_timeout, **options)
-            link = model.stage.link
         else:
             model, tokenizer = start_tensor_parallel(path, timeout=args.distributed_timeout,
                                                      **options)
-            link = model.link
-        _same_seed(link, args.seed)
-        if link.rank != 0:
+        _same_seed(model.link, args.seed)
+        if model.link.rank != 0:
             sys.stdout = open(os.devnull, "w")
         return model, tokenizer
 

@@ -216,6 +216,10 @@ class PipelineModel(Model):
         self.stage = Stage(link, ranges, self.roles, self.cfg)
         self._prune()
 
+    @property
+    def link(self) -> Link:
+        return self.stage.link
+
     def _prune(self) -> None:
         text, stage = self.model, self.stage
         for i, role in enumerate(self.roles[:self.cfg.num_hidden_layers]):

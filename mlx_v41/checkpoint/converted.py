@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model.engram import EngramRows
 from ..model.layers import configure_quantization
+from . import slicing
 from .loader import data_start, engram_tables, no_dspark, no_vision
 from .safetensors_io import CheckpointError, SafetensorsFile
 
@@ -59,6 +60,8 @@ def _checked_file(folder: Path, manifest: dict, name: str) -> Path:
 def _load_weights(model, folder: Path, manifest: dict) -> None:
     params = dict(tree_flatten(model.parameters()))
     loaded = {}
+    shard_of = getattr(model, "shard_of", None)  # tensor parallel: this rank's share only
+    modules = dict(model.named_modules()) if shard_of else {}
     # Without the drafter its files stay unread: the published load drops mtp.* likewise.
     drafter = manifest.get("dspark", []) if "dspark" in model else []
     # The vision tower is kept verbatim (published names = our parameter names, BF16).
@@ -70,6 +73,8 @@ def _load_weights(model, folder: Path, manifest: dict) -> None:
                 continue  # a pipeline stage: another rank's tensor (mx.load reads lazily)
             if key not in params:
                 raise CheckpointError(f"{path}: tensor {key} is not a parameter of this model")
+            if shard_of:
+                value = _share(shard_of, modules, key, value)
             expected = params[key]
             if tuple(value.shape) != tuple(expected.shape):
                 raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, "
@@ -86,6 +91,18 @@ def _load_weights(model, folder: Path, manifest: dict) -> None:
                               f"({len(missing)} missing)")
     model.update(tree_unflatten(list(loaded.items())))
     mx.eval(model.parameters())
+
+
+def _share(shard_of, modules: dict, key: str, value: mx.array) -> mx.array:
+    """A tensor-parallel rank's share of `value` (a copy: the whole tensor is not kept)."""
+    module_path, leaf = key.rsplit(".", 1)
+    spec = shard_of(key) or shard_of(module_path)
+    if not spec:
+        return value
+    part = value[slicing.converted(spec, leaf, modules[module_path], key)]
+    if part.dtype == mx.bfloat16:  # numpy has no bfloat16: copy the bits
+        return mx.array(np.array(part.view(mx.uint16))).view(mx.bfloat16)
+    return mx.array(np.array(part))
 
 
 def _attach_tables(model, folder: Path, manifest: dict) -> None:

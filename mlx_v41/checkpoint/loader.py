@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model.engram import EngramRows, EngramTable
 from ..model.quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
+from . import slicing
 from .safetensors_io import CheckpointError, SafetensorsFile
 
 # Storage kinds: "plain" (BF16/F32, cast to the parameter dtype), "fp8" (F8_E4M3 weight +
@@ -159,9 +160,9 @@ class _Shards:
             raise CheckpointError(f"{path}: tensor {name} named in the index is absent")
         return f
 
-    def get(self, name, kind) -> mx.array:
+    def get(self, name, kind, index=None) -> mx.array:
         f = self.check_dtype(name, kind)
-        value = self.read(f, name)
+        value = self.read(f, name) if index is None else self.read(f, name, index)
         if name.endswith(".scale") and self.checks_values and value.size \
                 and mx.max(value).item() == E8M0_NAN:
             raise CheckpointError(f"{f.path}: tensor {name} holds the E8M0 NaN byte 255")
@@ -177,8 +178,8 @@ class _Shards:
                                   f"expected {'/'.join(sorted(allowed))}")
         return f
 
-    def read(self, f: SafetensorsFile, name: str) -> mx.array:
-        return f.get(name)
+    def read(self, f: SafetensorsFile, name: str, index=None) -> mx.array:
+        return f.get(name, index)
 
 
 def has_group(index: dict, group: str) -> bool:
@@ -248,15 +249,22 @@ def no_dspark(folder, why: str) -> CheckpointError:
                            "dspark=False")
 
 
-def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: str) -> dict:
-    """Published tensors of one target -> {parameter name: array}."""
+def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: str,
+             shard=None) -> dict:
+    """Published tensors of one target -> {parameter name: array}; `shard` (a
+    `slicing.Shard`): only this rank's share of them is read."""
     if kind == "plain":
         (_, base, _), = entries
-        return {target: shards.get(base, kind)}
+        return {target: shards.get(base, kind, shard and slicing.published_plain(shard, base))}
     if kind == "fp4_expert":
-        return _stack_experts(shards, entries, params, target)
+        return _stack_experts(shards, entries, params, target, shard)
     (_, base, _), = entries
-    w, s = shards.get(f"{base}.weight", kind), shards.get(f"{base}.scale", kind)
+    w_index = s_index = None
+    if shard is not None:
+        rows = params[f"{target}.weight"].shape[1] if kind == "fp8_grouped" else 0
+        w_index, s_index = slicing.published_fp8(shard, base, rows)
+    w = shards.get(f"{base}.weight", kind, w_index)
+    s = shards.get(f"{base}.scale", kind, s_index)
     try:
         w, s = fp8_blocks_to_mxfp8(w, s)
     except ValueError as e:
@@ -268,9 +276,14 @@ def _convert(shards: _Shards, kind: str, entries: list, params: dict, target: st
     return {f"{target}.weight": w, f"{target}.scales": s}
 
 
-def _stack_experts(shards: _Shards, entries: list, params: dict, target: str) -> dict:
-    """Stack experts 0..E-1 of one projection into mxfp4 `[E, N, K/8]` + scales."""
-    expected = params[f"{target}.weight"].shape[0]
+def _stack_experts(shards: _Shards, entries: list, params: dict, target: str,
+                   shard=None) -> dict:
+    """Stack experts 0..E-1 of one projection into mxfp4 `[E, N, K/8]` + scales (with a
+    "lead" `shard`: only experts start..stop-1 are read)."""
+    if shard is not None and shard.axis != "lead":
+        raise CheckpointError(f"tensor {entries[0][1]}: routed experts shard by expert only")
+    lo = 0 if shard is None else shard.start
+    expected = params[f"{target}.weight"].shape[0] if shard is None else shard.total
     by_id = {int(m.group(2)): base for _, base, m in entries}
     extra = sorted(set(by_id) - set(range(expected)))
     if extra:
@@ -282,7 +295,7 @@ def _stack_experts(shards: _Shards, entries: list, params: dict, target: str) ->
             raise CheckpointError(f"tensor {base}.{e}.{entries[0][1].rsplit('.', 1)[1]} "
                                   f"(routed expert {e} of {expected}) is missing")
     weights, scales = [], []
-    for e in range(expected):
+    for e in range(lo, lo + params[f"{target}.weight"].shape[0]):
         w = shards.get(f"{by_id[e]}.weight", "fp4_expert").view(mx.uint8)
         s = shards.get(f"{by_id[e]}.scale", "fp4_expert")
         for part, value, first in (("weight", w, weights), ("scale", s, scales)):
@@ -299,12 +312,13 @@ def _stack_experts(shards: _Shards, entries: list, params: dict, target: str) ->
 
 
 def convert_target(shards: _Shards, target: str, entries: list, params: dict,
-                   cast: bool = True) -> dict:
+                   cast: bool = True, shard=None) -> dict:
     """The published tensors of one target in the model's layout, checked against `params`;
-    `cast=False` keeps plain tensors in their stored dtype (the converter's choice)."""
+    `cast=False` keeps plain tensors in their stored dtype (the converter's choice); `shard`:
+    this rank's share only (tensor parallel)."""
     kind, source = entries[0][0], entries[0][1]
     out = {}
-    for name, value in _convert(shards, kind, entries, params, target).items():
+    for name, value in _convert(shards, kind, entries, params, target, shard).items():
         if name not in params:
             raise CheckpointError(f"tensor {source} maps to {name}, which this config "
                                   f"does not have")
@@ -359,6 +373,7 @@ def load_weights(model, folder) -> dict:
     tables = engram_tables(model)
     shards = _Shards(index)
     loaded, attached = {}, set()
+    shard_of = getattr(model, "shard_of", None)  # tensor parallel: target -> Shard or None
     if getattr(model, "partial", False):  # a pipeline stage: other ranks' tensors stay unread
         used = {t: e for t, e in used.items()
                 if t in params or f"{t}.weight" in params or t in tables}
@@ -370,7 +385,8 @@ def load_weights(model, folder) -> dict:
             _attach_table(shards, tables[target], entries[0][1])
             attached.add(target)
             continue
-        loaded.update(convert_target(shards, target, entries, params))
+        loaded.update(convert_target(shards, target, entries, params,
+                                     shard=shard_of(target) if shard_of else None))
     missing = sorted(set(params) - set(loaded)) + sorted(set(tables) - attached)
     if missing:
         raise missing_error(folder, missing)

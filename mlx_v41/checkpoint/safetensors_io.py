@@ -91,9 +91,11 @@ class SafetensorsFile:
         raw = self._map[self._start + begin:self._start + end]
         return raw.view(STORAGE[entry["dtype"]][0]).reshape(entry["shape"])
 
-    def get(self, name) -> mx.array:
-        """The tensor as an MLX array (copied into memory)."""
-        arr = mx.array(np.ascontiguousarray(self.numpy(name)))
+    def get(self, name, index=None) -> mx.array:
+        """The tensor (or its part `index`, a numpy index) as an MLX array, copied into
+        memory: only the part is read and kept."""
+        raw = self.numpy(name)
+        arr = mx.array(np.ascontiguousarray(raw if index is None else raw[index]))
         if self.dtype(name) == "BF16":
             arr = arr.view(mx.bfloat16)
         return arr

@@ -26,8 +26,8 @@ from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
 from ..generation.api import PrefillProgress
-from ..distributed.cli import add_distributed_arguments, pipeline_loader
-from ..distributed.link import DistributedError
+from ..distributed.cli import add_distributed_arguments, distributed_loader
+from ..distributed.link import DistributedError, is_backend_error
 from ..model.vision.prompt import prepare_prompt
 
 
@@ -88,7 +88,7 @@ def run(args) -> int:
         mx.random.seed(args.seed)
     if args.model == DEMO:
         print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-    loader = pipeline_loader(args) if args.pipeline else load
+    loader = distributed_loader(args) or load
     model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
     with wired_limit(model):
         response = _reply(args, model, tokenizer)
@@ -133,4 +133,9 @@ def main(argv=None) -> int:
         return 130
     except (ValueError, OSError, DistributedError) as e:  # CheckpointError, ConfigError, ...
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a collective evaluated by the decode loop lost a rank
+        if not is_backend_error(e):
+            raise
+        print(f"error: lost a rank during generation ({e})", file=sys.stderr)
         return 1

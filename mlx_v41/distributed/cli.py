@@ -1,5 +1,6 @@
-"""`--pipeline` for the CLIs: every rank loads its share of its own local copy of the folder,
-rank 0 alone prints (the others' stdout goes nowhere; their errors still reach stderr)."""
+"""`--pipeline` and `--tensor-parallel` for the CLIs: every rank loads its share of its own
+local copy of the folder, rank 0 alone prints (the others' stdout goes nowhere; their errors
+still reach stderr)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,42 @@ def add_distributed_arguments(parser) -> None:
                         help="pipeline parallel over the ranks mlx.launch started: layers split "
                              "by weight bytes, or SPLIT = the first layer of each rank after "
                              "rank 0 (e.g. 20, or 10,26 for three ranks)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="tensor parallel over the ranks mlx.launch started: every layer's "
+                             "attention heads and experts split over the ranks")
     parser.add_argument("--distributed-timeout", type=float, default=None, metavar="S",
                         help="seconds to wait for the other ranks at startup (default 900)")
 
 
-def pipeline_loader(args):
-    """A `load`-like function for args.pipeline; silences stdout on ranks other than 0."""
-    from .startup import start_pipeline
+def distributed_loader(args):
+    """A `load`-like function for args.pipeline or args.tensor_parallel (None: neither);
+    silences stdout on ranks other than 0."""
+    from .startup import start_pipeline, start_tensor_parallel
 
+    switch = "--pipeline" if args.pipeline else "--tensor-parallel"
+    if args.pipeline and args.tensor_parallel:
+        raise ValueError("--pipeline and --tensor-parallel do not combine: choose one")
+    if not (args.pipeline or args.tensor_parallel):
+        return None
     if getattr(args, "prompt_cache_file", None):
-        raise ValueError("--prompt-cache-file is not supported with --pipeline yet")
+        raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
         if options.get("dspark"):
-            raise ValueError("--pipeline does not run the DSpark drafter yet (drop --dspark)")
+            raise ValueError(f"{switch} does not run the DSpark drafter yet (drop --dspark)")
         options.pop("dspark", None)
-        model, tokenizer = start_pipeline(path, split=args.pipeline,
-                                          timeout=args.distributed_timeout, **options)
-        _same_seed(model.stage.link, args.seed)
-        if model.stage.rank != 0:
+        if args.pipeline:
+            model, tokenizer = start_pipeline(path, split=args.pipeline,
+                                              timeout=args.distributed_timeout, **options)
+        else:
+            model, tokenizer = start_tensor_parallel(path, timeout=args.distributed_timeout,
+                                                     **options)
+        _same_seed(model.link, args.seed)
+        if model.link.rank != 0:
             sys.stdout = open(os.devnull, "w")
         return model, tokenizer
 
     return load
-
 
 
 def _same_seed(link, seed) -> None:

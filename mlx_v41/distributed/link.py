@@ -16,6 +16,14 @@ class DistributedError(RuntimeError):
     """A rank failed or disagrees (the message names the rank and the cause)."""
 
 
+BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]")  # how MLX's backends open their errors
+
+
+def is_backend_error(error: BaseException) -> bool:
+    """Whether `error` is an `mx.distributed` backend's (a peer lost, a socket closed)."""
+    return isinstance(error, RuntimeError) and str(error).startswith(BACKEND_ERRORS)
+
+
 class Link:
     """This rank's end of the group; `sent` counts payload + header bytes of boundaries and
     `reduced` the bytes this rank contributes to logits reductions."""
@@ -30,9 +38,14 @@ class Link:
         try:
             mx.eval(value)
         except RuntimeError as e:
-            who = f"rank {peer}" if peer is not None else "a peer"
-            raise DistributedError(f"rank {self.rank}: lost {who} while {what} ({e})") from None
+            raise self.lost(e, what, peer) from None
         return value
+
+    def lost(self, error: RuntimeError, what: str, peer: Optional[int] = None):
+        """The DistributedError naming the peer (when known) that a failed call lost."""
+        peer = self._other() if peer is None else peer
+        who = f"rank {peer}" if peer is not None else "a peer"
+        return DistributedError(f"rank {self.rank}: lost {who} while {what} ({error})")
 
     def send_arrays(self, arrays: list, dst: int) -> None:
         header, parts = [], []
@@ -78,6 +91,16 @@ class Link:
             return x
         self.reduced += x.nbytes
         return self._eval(mx.distributed.all_sum(x, group=self.group), None, what)
+
+    def _other(self) -> Optional[int]:
+        """The peer a collective lost: known when there is only one other rank."""
+        return 1 - self.rank if self.size == 2 else None
+
+    def reduce(self, x: mx.array) -> mx.array:
+        """`all_sum` left lazy, inside the caller's graph (tensor parallel: a few per layer;
+        a lost peer then surfaces as MLX's error where the graph is evaluated)."""
+        self.reduced += x.nbytes
+        return mx.distributed.all_sum(x, group=self.group)
 
     def all_gather(self, x: mx.array, what: str) -> mx.array:
         """[size * n, ...]: every rank's `x` in rank order."""

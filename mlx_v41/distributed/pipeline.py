@@ -5,8 +5,9 @@ selections, candidate pools; `split.crossing`) are sent. Layers of other ranks a
 `RemoteBlock`s, and the rows they would compute are *ghosts*: arrays of the right batch and
 row count with an empty feature axis, so the prefill strategies (`model/prefill.py`) run
 unchanged on every rank. Later ranks keep a mirror of the kv owners they read
-(`MirrorKV`). The last rank's logits reach every rank by `all_sum`, so every rank samples the
-same token (the same seed on every rank). Exact: every layer runs the ops it runs in one process.
+(`MirrorKV`). Only the last rank holds logits (the others: zeros); it samples, and its token
+reaches every rank by `all_sum` of one int32 (`agree_on_token`; the same seed on every rank, so
+the random keys advance alike). Exact: every layer runs the ops it runs in one process.
 """
 
 from __future__ import annotations
@@ -215,6 +216,10 @@ class PipelineModel(Model):
         self.stage = Stage(link, ranges, self.roles, self.cfg)
         self._prune()
 
+    @property
+    def link(self) -> Link:
+        return self.stage.link
+
     def _prune(self) -> None:
         text, stage = self.model, self.stage
         for i, role in enumerate(self.roles[:self.cfg.num_hidden_layers]):
@@ -255,12 +260,18 @@ class PipelineModel(Model):
         return out
 
     def head(self, hidden: mx.array, last_only: bool) -> mx.array:
+        """The logits on the last rank; zeros of their shape on the others (which sample
+        alike and then take the last rank's token, `agree_on_token`)."""
         if is_ghost(hidden):
             rows = 1 if last_only else hidden.shape[1]
-            logits = mx.zeros((hidden.shape[0], rows, self.cfg.vocab_size), mx.float32)
-        else:
-            logits = super().head(hidden, last_only)
-        return self.stage.link.all_sum(logits, "gathering the logits")
+            return mx.zeros((hidden.shape[0], rows, self.cfg.vocab_size), mx.float32)
+        return super().head(hidden, last_only)
+
+    def agree_on_token(self, token: mx.array) -> mx.array:
+        """The last rank's sampled token on every rank: one int32 per row is reduced instead
+        of the logits (every rank still runs the sampler, so their random keys stay alike)."""
+        mine = token.astype(mx.int32) if self.stage.last else mx.zeros(token.shape, mx.int32)
+        return self.stage.link.all_sum(mine, "sharing the sampled token").astype(token.dtype)
 
 
 def load_pipeline(path, link: Link, split: Optional[str] = None, **options):

@@ -52,14 +52,14 @@ def deadline(seconds: float, message: str):
         timer.cancel()
 
 
-def join_group(timeout: Optional[float] = None) -> Link:
+def join_group(timeout: Optional[float] = None, switch: str = "--pipeline") -> Link:
     """The launched group (mlx.launch sets the backend and ranks up)."""
     seconds = startup_timeout(timeout)
-    with deadline(seconds, f"mlx_v41 pipeline: the other ranks did not connect within "
+    with deadline(seconds, f"mlx_v41 {switch[2:]}: the other ranks did not connect within "
                            f"{seconds:g} s ({TIMEOUT_ENV})"):
         group = mx.distributed.init()
     if group.size() < 2:
-        raise DistributedError("--pipeline needs two or more processes: start them with "
+        raise DistributedError(f"{switch} needs two or more processes: start them with "
                                "mlx.launch -n 2 --python $(which python) -- ... (or --hosts)")
     return Link(group)
 
@@ -108,15 +108,30 @@ def start_pipeline(path, split: Optional[str] = None, timeout: Optional[float] =
     """Join the group, load this rank's share of the folder at `path` (its own local copy) and
     check with the others -> (PipelineModel, tokenizer). Any rank failing raises the same
     DistributedError on every rank."""
-    from ..checkpoint.source import resolve_model_path
     from .pipeline import load_pipeline
 
     link = join_group(timeout)
+    return _start(link, path, lambda folder: load_pipeline(folder, link, split, **options),
+                  timeout)
+
+
+def start_tensor_parallel(path, timeout: Optional[float] = None, **options):
+    """`start_pipeline` for tensor parallel -> (TensorParallelModel, tokenizer)."""
+    from .tensor import load_tensor_parallel
+
+    link = join_group(timeout, "--tensor-parallel")
+    return _start(link, path, lambda folder: load_tensor_parallel(folder, link, **options),
+                  timeout)
+
+
+def _start(link: Link, path, load, timeout: Optional[float]):
+    from ..checkpoint.source import resolve_model_path
+
     model = tokenizer = error = None
     folder = Path(path)
     try:
         folder = resolve_model_path(path)
-        model, tokenizer = load_pipeline(folder, link, split, **options)
+        model, tokenizer = load(folder)
     except Exception as e:  # reported to every rank by the handshake, then raised there
         error = f"{type(e).__name__}: {e}".splitlines()[0][:400]
     handshake(link, _record(folder, model, error), startup_timeout(timeout))

@@ -106,7 +106,7 @@ def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int]
         for processor in logits_processors or ():
             step_logits = processor(history, step_logits)
         logprobs = step_logits - mx.logsumexp(step_logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
+        token = model.agree_on_token(sampler(logprobs))
         if logits_processors:
             history = mx.concatenate([history, token.astype(mx.int32)])
         return token, logprobs[0]

@@ -253,6 +253,11 @@ class Model(nn.Module):
         return self.forward(ids, cache, last_only=last_only, step_size=step_size,
                             capture=capture, progress=progress, images=images).logits
 
+    def agree_on_token(self, token: mx.array) -> mx.array:
+        """The token every process continues with: the one sampled here (a pipeline: the last
+        rank's, which alone holds the logits)."""
+        return token
+
     def head(self, hidden: mx.array, last_only: bool) -> mx.array:
         """fp32 logits of the normed hidden rows (all, or the last)."""
         if last_only:

@@ -171,10 +171,20 @@ class MoE(nn.Module):
             record("gate.indices", ids)
             record("gate.weights", weights)
         flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
-        routed = self.experts.switch_mlp(flat, ids.reshape(batch * length, -1),
-                                         weights.reshape(batch * length, -1))
-        total = mx.sum(_bf16_rounded(routed), axis=1)
-        return _add_shared(total, self.shared_experts(x, flat)).reshape(batch, length, dim)
+        total = self.routed_sum(flat, ids, weights)
+        return self.combine(total, self.shared_experts(x, flat)).reshape(batch, length, dim)
+
+    def routed_sum(self, flat: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+        """[T, D] fp32 sum over the k chosen experts of their bf16 outputs; flat [T, D]
+        FP8-rounded, ids / weights [B, S, k]."""
+        k = ids.shape[-1]
+        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k))
+        return mx.sum(_bf16_rounded(routed), axis=1)
+
+    @staticmethod
+    def combine(routed: mx.array, shared: mx.array) -> mx.array:
+        """bf16 output from the routed sum and the shared expert's fp32 products."""
+        return _add_shared(routed, shared)
 
 
 @mx.compile

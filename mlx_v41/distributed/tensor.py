@@ -1,0 +1,169 @@
+"""Tensor parallel inference: every rank runs every layer on its share of the attention heads
+(query rows of `q_b_proj`, sinks, `o_a_proj` output groups, the matching input columns of
+`o_b_proj`), of the routed experts (whole experts) and of the shared expert's inner width.
+`o_b_proj` and the experts end in partial fp32 sums, added over the ranks by `all_sum` (one
+for attention, one for the routed + shared experts of each layer, [2, T, D]) before their bf16
+rounding. The rest is replicated and computed alike on every rank: embedding, norms, mHC,
+low-rank query and KV projections (one KV head), compressor, indexer, router, Engram, head.
+
+Routed experts are split by expert, not by inner width: a layer then reduces one [T, D] sum
+of the experts' bf16 outputs; an inner-width split would have to reduce every expert's fp32
+products [T, k, D] before their bf16 rounding (k = 6 times the bytes) to keep the numerics.
+A rank evaluates the pairs routed to another rank's experts at weight 0 (exact zeros; no host
+round trip to compact them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..checkpoint.slicing import Shard
+from ..model.layers import QuantLinear, allocate_quantized
+from ..model.model import Model
+from ..model.moe import MoE
+from ..model.quant import WEIGHT_BLOCK, act_fp8_qdq
+from .link import Link, is_backend_error
+
+
+class ShardError(ValueError):
+    """A model that cannot be split over the launched ranks (the message names the field)."""
+
+
+def check_shardable(cfg, size: int) -> None:
+    """Every split axis must divide evenly, and the shared expert's share must keep whole
+    32-wide FP8 scale blocks."""
+    for field in ("num_attention_heads", "o_groups", "n_routed_experts"):
+        value = getattr(cfg, field)
+        if value % size:
+            raise ShardError(f"--tensor-parallel: {field} = {value} does not split over {size} "
+                             f"ranks (it must be a multiple of the number of ranks)")
+    inner = cfg.moe_intermediate_size
+    if inner % (WEIGHT_BLOCK * size):
+        raise ShardError(f"--tensor-parallel: moe_intermediate_size = {inner} does not split "
+                         f"over {size} ranks in whole {WEIGHT_BLOCK}-wide FP8 blocks")
+
+
+class ShardPlan:
+    """Loader target (module path, or a plain parameter's name) -> this rank's `Shard`."""
+
+    def __init__(self):
+        self.shards = {}
+
+    def __call__(self, target: str) -> Optional[Shard]:
+        return self.shards.get(target)
+
+    def add(self, target: str, axis: str, rank: int, share: int, total: int) -> None:
+        self.shards[target] = Shard(axis, rank * share, (rank + 1) * share, total)
+
+
+def _resize(module: nn.Module, lead: tuple, output_dims: int, input_dims: int) -> None:
+    """Re-lay a packed linear at its share's shape (zeros until loaded)."""
+    allocate_quantized(module, lead, output_dims, input_dims, module.mode, module.bits,
+                       module.group_size)
+
+
+class ReducedLinear(QuantLinear):
+    """A linear over this rank's input columns: its fp32 products are summed over the ranks
+    before the bf16 rounding of the output (`o_b_proj`)."""
+
+    def apply(self, x: mx.array) -> mx.array:
+        return self.link.reduce(self.matmul(x)).astype(mx.bfloat16)
+
+
+class ShardedMoE(MoE):
+    """Router on every rank; this rank's experts (`first_expert` on) and shared-expert share;
+    one reduction of [routed sum, shared products]."""
+
+    def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None, record=None):
+        batch, length, dim = x.shape
+        ids, weights = self.gate(x, image_mask)
+        if record is not None:
+            record("gate.indices", ids)
+            record("gate.weights", weights)
+        count = self.experts.switch_mlp.gate_proj.weight.shape[0]
+        mine = (ids >= self.first_expert) & (ids < self.first_expert + count)
+        local = mx.where(mine, ids - self.first_expert, 0)
+        weights = mx.where(mine, weights, 0.0)
+        flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
+        partial = mx.stack([self.routed_sum(flat, local, weights), self.shared_experts(x, flat)])
+        routed, shared = self.link.reduce(partial)
+        return self.combine(routed, shared).reshape(batch, length, dim)
+
+
+class TensorParallelModel(Model):
+    """A `Model` holding one rank's share of every layer: build with `load_tensor_parallel`;
+    calls and caches as `Model`'s (the caches are whole on every rank: one KV head), run by
+    every rank together."""
+
+    def __init__(self, args, link: Link, **options):
+        if options.get("dspark"):
+            raise ShardError("--tensor-parallel does not run the DSpark drafter (drop --dspark)")
+        if options.get("vision"):
+            raise ShardError("--tensor-parallel does not run the vision tower (no --image)")
+        check_shardable(args.text_config, link.size)
+        super().__init__(args, **options)
+        self.link, self.rank = link, link.rank
+        self.ranges = f"tensor parallel x{link.size}"  # what the startup handshake compares
+        self.shard_of = ShardPlan()
+        for i, layer in enumerate(self.model.layers):
+            self._shard_attention(f"model.layers.{i}.self_attn", layer.self_attn)
+            self._shard_moe(f"model.layers.{i}.mlp", layer.mlp)
+
+    def forward(self, *args, **kwargs):
+        """`Model.forward`; a collective that failed inside it (a rank lost) raises one
+        DistributedError line (one evaluated later, by the caller, raises MLX's error)."""
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as e:
+            if not is_backend_error(e):
+                raise
+            raise self.link.lost(e, "computing a layer") from None
+
+    def _shard_attention(self, path: str, attn) -> None:
+        cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of
+        heads, groups, d = cfg.num_attention_heads // size, cfg.o_groups // size, cfg.head_dim
+        lora = cfg.o_lora_rank
+        _resize(attn.q_b_proj, (), heads * d, cfg.q_lora_rank)
+        plan.add(f"{path}.q_b_proj", "out", rank, heads * d, cfg.num_attention_heads * d)
+        attn.sinks = mx.zeros((heads,), mx.float32)
+        plan.add(f"{path}.sinks", "lead", rank, heads, cfg.num_attention_heads)
+        _resize(attn.o_a_proj, (groups,), lora, heads * d // groups)
+        plan.add(f"{path}.o_a_proj", "lead", rank, groups, cfg.o_groups)
+        _resize(attn.o_b_proj, (), cfg.hidden_size, groups * lora)
+        plan.add(f"{path}.o_b_proj", "in", rank, groups * lora, cfg.o_groups * lora)
+        attn.o_b_proj.__class__ = ReducedLinear
+        attn.o_b_proj.link = self.link
+        attn.heads = heads
+
+    def _shard_moe(self, path: str, moe) -> None:
+        cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of
+        dim, inner = cfg.hidden_size, cfg.moe_intermediate_size
+        experts = moe.experts.switch_mlp.gate_proj.weight.shape[0]
+        share = experts // size
+        switch = moe.experts.switch_mlp
+        for name, out, in_ in (("gate_proj", inner, dim), ("up_proj", inner, dim),
+                               ("down_proj", dim, inner)):
+            _resize(getattr(switch, name), (share,), out, in_)
+            plan.add(f"{path}.experts.switch_mlp.{name}", "lead", rank, share, experts)
+        shared, part = moe.shared_experts, inner // size
+        for name in ("gate_proj", "up_proj"):
+            _resize(getattr(shared, name), (), part, dim)
+            plan.add(f"{path}.shared_experts.{name}", "out", rank, part, inner)
+        _resize(shared.down_proj, (), dim, part)
+        plan.add(f"{path}.shared_experts.down_proj", "in", rank, part, inner)
+        moe.__class__ = ShardedMoE
+        moe.first_expert, moe.link = rank * share, self.link
+
+
+def load_tensor_parallel(path, link: Link, **options):
+    """This rank's `TensorParallelModel` from its local copy of the folder (and the
+    tokenizer): only its share of the split tensors is read."""
+    from ..checkpoint.source import load
+
+    options.setdefault("dspark", False)
+    options.setdefault("vision", False)
+    return load(path, build=lambda args, **kw: TensorParallelModel(args, link, **kw),
+                **options)

@@ -78,13 +78,13 @@ class Oracle:
         return tokens, logits[None], mx.full((1, 5), 10.0)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 5])  # the confidence test covers the blocks in between
 def test_greedy_equals_plain_greedy(tiny, k):
     model, prompt = tiny
-    plain, plain_cache = plain_run(model, prompt, 64)
-    spec, _, cache, stats = speculate(model, prompt, 64, num_draft_tokens=k)
+    plain, plain_cache = plain_run(model, prompt, 40)
+    spec, _, cache, stats = speculate(model, prompt, 40, num_draft_tokens=k)
     assert spec == plain
-    assert stats.proposed > 0 and stats.cycles == 64 - stats.accepted
+    assert stats.proposed > 0 and stats.cycles == 40 - stats.accepted
     assert same(committed(model, cache), committed(model, plain_cache))
 
 
@@ -320,13 +320,13 @@ def test_prompt_cache_round_trip_keeps_the_rings(tiny, tmp_path):
 
 
 def test_greedy_equals_plain_greedy_on_the_published_schedule(goldens):
-    """The 40 + 3 layer schedule (CED prefill with its longer halo, all owner kinds); 32 tokens
-    (tiny runs 64) to keep the suite short."""
+    """The 40 + 3 layer schedule (CED prefill with its longer halo, all owner kinds); 20 tokens
+    (tiny runs 40) to keep the suite short."""
     model = mlx_v41.load_model(golden_checkpoint("schedule"), dspark=True)
     prompt = goldens("schedule").prompt[:40].tolist()
     cache = model.make_cache()
     logits = prefill(model, prompt, cache)
-    plain = [token for token, _ in generate_step(model, logits, cache, max_tokens=32)]
-    spec, _, spec_cache, stats = speculate(model, prompt, 32)
+    plain = [token for token, _ in generate_step(model, logits, cache, max_tokens=20)]
+    spec, _, spec_cache, stats = speculate(model, prompt, 20)
     assert spec == plain and stats.proposed > 0
     assert same(committed(model, spec_cache), committed(model, cache))

@@ -17,6 +17,17 @@ from .quant import act_fp8_qdq
 
 PAIRWISE_LEAF = 16  # values summed in sequence at the leaves of the pairwise norm reduction
 LEVELS_FUSED = 4  # pairwise halvings per fused kernel: 16 chunk inputs (MLX fuses <= 24 arrays)
+# LM head weight dtypes: the reference's fp32, or bf16 (the checkpoint's values, half the bytes)
+HEAD_DTYPES = ("float32", "bfloat16")
+
+
+def head_logits(hidden: mx.array, weight: mx.array) -> mx.array:
+    """fp32 logits of bf16 rows against the LM head `weight` [V, D]. fp32 weights: an fp32
+    matmul (the reference). bf16 weights: a bf16 matmul (exact products, fp32 accumulation),
+    so the logits carry its bf16 output rounding (README, "Deviations from the reference")."""
+    if weight.dtype == mx.bfloat16:
+        return (hidden.astype(mx.bfloat16) @ weight.T).astype(mx.float32)
+    return hidden.astype(mx.float32) @ weight.T
 
 
 class RMSNorm(nn.Module):

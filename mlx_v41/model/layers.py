@@ -39,16 +39,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _compiled_rms_norm(self.eps)(x, self.weight)
+        return _compiled_rms_norm(self.eps, False)(x, self.weight)
+
+    def of_products(self, x: mx.array) -> mx.array:
+        """The norm of bf16(x) for fp32 projection products x (`QuantLinear.matmul`): the
+        output rounding runs inside the norm's fused kernels instead of as a kernel of its own."""
+        return _compiled_rms_norm(self.eps, True)(x, self.weight)
 
 
-def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    xf = x.astype(mx.float32)
-    normed = xf * mx.rsqrt(_pairwise_mean(x) + eps)
+def _rms_norm(x: mx.array, weight: mx.array, eps: float, is_products: bool) -> mx.array:
+    xf = _rounded(x, is_products)
+    normed = xf * mx.rsqrt(_pairwise_mean(x, is_products) + eps)
     return (weight * normed).astype(mx.bfloat16)
 
 
-def _pairwise_mean(x: mx.array) -> mx.array:
+def _rounded(x: mx.array, is_products: bool) -> mx.array:
+    """fp32 of x, or of bf16(x) for products (cast per reader, so it fuses into each)."""
+    return (x.astype(mx.bfloat16) if is_products else x).astype(mx.float32)
+
+
+def _pairwise_mean(x: mx.array, is_products: bool = False) -> mx.array:
     """Mean of x^2 over the last axis, summed pairwise (halves added until PAIRWISE_LEAF
     remain, then in sequence): it rounds like the reference's fp32 reduction where a
     sequential sum is off by an ulp, and one such ulp in a norm moves a block's whole window
@@ -57,7 +67,8 @@ def _pairwise_mean(x: mx.array) -> mx.array:
     halvings = 0
     while width % 2 == 0 and width > PAIRWISE_LEAF:
         width, halvings = width // 2, halvings + 1
-    parts = [_square(part) for part in _chunks(x, 2 ** min(halvings, LEVELS_FUSED))]
+    parts = [_square(_rounded(part, is_products))
+             for part in _chunks(x, 2 ** min(halvings, LEVELS_FUSED))]
     while halvings:
         levels = min(halvings, LEVELS_FUSED)
         for _ in range(levels):
@@ -81,9 +92,9 @@ def _chunks(x: mx.array, n: int) -> list:
 
 
 @functools.cache
-def _compiled_rms_norm(eps: float):
+def _compiled_rms_norm(eps: float, is_products: bool):
     """Compiled per eps: on MLX's CPU backend a decode step costs what its op count costs."""
-    return mx.compile(functools.partial(_rms_norm, eps=eps))
+    return mx.compile(functools.partial(_rms_norm, eps=eps, is_products=is_products))
 
 
 class QuantLinear(nn.Module):

@@ -49,7 +49,8 @@ def _compiled_collapse(streams: mx.array, pre: mx.array) -> mx.array:
 
 
 def expand(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """`hc_post`: copy b = post_b * y + sum_a comb[a, b] * residual_a, in fp32, rounded to bf16."""
+    """`hc_post`: copy b = post_b * y + sum_a comb[a, b] * residual_a, in fp32, rounded to bf16.
+    `y` is the bf16 block output, or fp32 products that round to it (rounded here, fused)."""
     return _compiled_expand(y, residual, post, comb)
 
 
@@ -58,5 +59,6 @@ def _compiled_expand(y, residual, post, comb) -> mx.array:
     # [B, S, n(b), D] from the n terms a: comb row a [B, S, n(b), 1] x residual a [B, S, 1, D]
     terms = [row.swapaxes(-1, -2) * r.astype(mx.float32)
              for row, r in zip(along(comb, -2), along(residual, -2))]
-    out = post[..., None] * y[..., None, :].astype(mx.float32) + chain_sum(terms, 0.0)
+    y = y[..., None, :].astype(mx.bfloat16).astype(mx.float32)
+    out = post[..., None] * y + chain_sum(terms, 0.0)
     return out.astype(residual.dtype)

@@ -66,7 +66,8 @@ class Block(nn.Module):
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
-        streams = expand(self.self_attn(u, state, cache, n_out), streams, a_post, a_comb)
+        streams = expand(self.self_attn(u, state, cache, n_out, products=True), streams, a_post,
+                         a_comb)
         f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels)
         u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)),
                      state.image_positions(n_out), self.gate_recorder(state))

@@ -37,15 +37,17 @@ class GroupedLinear(nn.Module):
         super().__init__()
         allocate_quantized(self, (groups,), output_dims, input_dims, mode, bits, group_size)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
+    def __call__(self, x: mx.array, products: bool = False) -> mx.array:
+        """x [..., G, K] -> [..., G, N]; bf16 values in, no activation rounding (reference);
+        bf16 out, or with `products` the fp32 products before that rounding."""
         groups = self.weight.shape[0]
         ids = mx.broadcast_to(batch_rows((groups,)), x.shape[:-1])
         out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales,
                             self.get("biases"), lhs_indices=batch_rows(x.shape[:-1]),
                             rhs_indices=ids, transpose=True,
                             group_size=self.group_size, bits=self.bits, mode=self.mode)
-        return out.squeeze(-2).astype(mx.bfloat16)
+        out = out.squeeze(-2)
+        return out if products else out.astype(mx.bfloat16)
 
 
 def add_projections(module: nn.Module, cfg: TextConfig) -> None:
@@ -104,10 +106,12 @@ class Attention(nn.Module):
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
                                self.window, use_kernel=ctx.kernels.use,
                                run=ctx.kernels.sparse_attention)
-        out = self.rope(out, pos, inverse=True)
+        # fp32 between the kernels, each value still a bf16 one: every rounding the reference
+        # makes happens inside the fused kernel that reads it, not as a cast of its own.
+        out = self.rope(out, pos, inverse=True, dtype=mx.float32)
         groups = self.o_a_proj.weight.shape[0]
-        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1))
-        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1))
+        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
+        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), is_products=True)
         return self.o_b_proj.matmul(out) if products else self.o_b_proj.apply(out)
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:

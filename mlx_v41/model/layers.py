@@ -109,11 +109,14 @@ class QuantLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return self.apply(self.prepare(x))
 
-    def prepare(self, x: mx.array) -> mx.array:
+    def prepare(self, x: mx.array, is_products: bool = False) -> mx.array:
         """The matmul input: act_fp8-rounded (when the reference rounds it) fp32, shareable
         by linears that read the same activation. fp32 because MLX's CPU quantized matmul
-        accumulates bf16 inputs in bf16; the FP8 values are exact in both."""
-        return act_fp8_qdq(x, mx.float32) if self.quantize_input else x.astype(mx.float32)
+        accumulates bf16 inputs in bf16; the FP8 values are exact in both. `is_products`: x
+        is fp32 products whose bf16 rounding is the activation (rounded here, fused)."""
+        if self.quantize_input:
+            return act_fp8_qdq(x, mx.float32, is_products)
+        return _rounded(x, is_products)
 
     def apply(self, x: mx.array) -> mx.array:
         """y = x W^T for an input already `prepare`d; bf16 output."""

@@ -41,6 +41,11 @@ class RMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return _compiled_rms_norm(self.eps, False)(x, self.weight)
 
+    def pair(self, x: mx.array):
+        """(the norm in bf16, the same values in fp32) from one fused kernel, for a block
+        whose readers take both."""
+        return _compiled_rms_norm_pair(self.eps)(x, self.weight)
+
     def of_products(self, x: mx.array) -> mx.array:
         """The norm of bf16(x) for fp32 projection products x (`QuantLinear.matmul`): the
         output rounding runs inside the norm's fused kernels instead of as a kernel of its own."""
@@ -89,6 +94,14 @@ def _chunks(x: mx.array, n: int) -> list:
     """x split into n equal slices along the last axis (views)."""
     size = x.shape[-1] // n
     return [x[..., i * size:(i + 1) * size] for i in range(n)]
+
+
+@functools.cache
+def _compiled_rms_norm_pair(eps: float):
+    def pair(x, weight):
+        out = _rms_norm(x, weight, eps, False)
+        return out, out.astype(mx.float32)
+    return mx.compile(pair)
 
 
 @functools.cache

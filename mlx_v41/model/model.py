@@ -23,7 +23,7 @@ from .dspark import DSpark
 from .engram import Engram
 from .engram_hash import EngramHasher
 from .layers import HEAD_DTYPES, RMSNorm, head_logits
-from .mhc import HyperConnection, collapse, expand
+from .mhc import HyperConnection, collapse, expand, expand_pair
 from .moe import MoE
 from .prefill import PREFILL_MODES, run_forward
 from .schedule import decoder_start, layer_roles
@@ -66,11 +66,11 @@ class Block(nn.Module):
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
-        streams = expand(self.self_attn(u, state, cache, n_out, products=True), streams, a_post,
-                         a_comb)
-        f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels)
-        u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)),
-                     state.image_positions(n_out), self.gate_recorder(state))
+        streams, streams32 = expand_pair(self.self_attn(u, state, cache, n_out, products=True),
+                                         streams, a_post, a_comb)
+        f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels, streams32)
+        u, u32 = self.post_attention_layernorm.pair(collapse(streams, a_pre))
+        u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32)
         streams = expand(u, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)

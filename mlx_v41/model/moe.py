@@ -168,11 +168,12 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None,
-                 record: Optional[Callable] = None) -> mx.array:
-        """x [B, S, D]; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
-        `gate.indices` and `gate.weights`."""
+                 record: Optional[Callable] = None, x32: Optional[mx.array] = None) -> mx.array:
+        """x [B, S, D] bf16; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
+        `gate.indices` and `gate.weights`; `x32`: x in fp32 if the caller has it (the router
+        reads fp32)."""
         batch, length, dim = x.shape
-        ids, weights = self.gate.select(x, image_mask)
+        ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
         if record is not None:
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)

@@ -72,11 +72,11 @@ class WindowRing:
         if n == 0 or self.rows is None:
             return None
         slots = mx.array(np.arange(position - n, position) % self.capacity)  # host: no ops
-        return unpack_fp8_e8m0(self.rows[:, slots])
+        return unpack_fp8_e8m0(mx.take(self.rows, slots, axis=1))
 
     def rows_at(self, positions: mx.array) -> mx.array:
         """Decoded rows [B, n, d] of the given held positions, in the given order."""
-        return unpack_fp8_e8m0(self.rows[:, positions % self.capacity])
+        return unpack_fp8_e8m0(mx.take(self.rows, positions % self.capacity, axis=1))
 
     def write(self, values: mx.array, position: int, kernels: Optional[Kernels] = None) -> None:
         """Store window KV values of positions [position, position + S) as FP8 rows."""

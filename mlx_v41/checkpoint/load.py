@@ -89,7 +89,7 @@ def has_vision_tower(folder) -> bool:
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
-               vision: Optional[bool] = None, build=None):
+               vision: Optional[bool] = None, head_dtype: str = "float32", build=None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -113,6 +113,9 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         vision: load the vision tower (`vision.*`, `aligner.*`, `image_*`: 0.49 B parameters
             at full size, BF16) for image prompts. None (default): when the checkpoint has
             it; True: required (CheckpointError without it); False: left unread.
+        head_dtype: the LM head's weights: "float32" (default, the reference's fp32 head) or
+            "bfloat16" (half the bytes a token reads; the logits are rounded to bf16, README
+            "Deviations from the reference").
         build: makes the model from (args, **options) instead of `Model` (a pipeline stage,
             `mlx_v41.distributed`; one with `partial = True` leaves the tensors of the modules
             it dropped unread).
@@ -133,7 +136,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     vision = has_vision_tower(folder) if vision is None else vision
     model = (build or Model)(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
                              prefill_mode=prefill_mode, ced_rollback=ced_rollback,
-                             dspark=dspark, vision=vision)
+                             dspark=dspark, vision=vision, head_dtype=head_dtype)
     token_map = None
     if is_converted(folder):
         token_map = load_converted(model, folder)

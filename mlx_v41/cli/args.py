@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 
+from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
 from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
 from ..generation.speculative import MAX_DRAFT_TOKENS, Sampling
@@ -109,6 +110,9 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
         default=DEFAULT_PREFILL_STEP_SIZE,
         help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_STEP_SIZE})")
     add("--prefill-mode", choices=PREFILL_MODES, default="ced", help=PREFILL_MODE_HELP)
+    add("--head-dtype", choices=HEAD_DTYPES, default="float32",
+        help="LM head weights: float32 (default, the reference's head) or bfloat16 (half the "
+             "bytes per token; logits rounded to bf16)")
     add("--thinking", action=argparse.BooleanOptionalAction, default=True,
         help="thinking mode (the reply reasons before answering; default) or chat mode")
     add("--reasoning-effort", type=_effort, default=None,

@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         mx.random.seed(args.seed)
         if args.model == "demo":
             print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-        model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
+        model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
+                                head_dtype=args.head_dtype)
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt,
                               thinking=args.thinking, reasoning_effort=args.reasoning_effort,
                               max_tokens=args.max_tokens,

@@ -74,7 +74,8 @@ def build_app(args):
     from ..server.prompt_store import PromptCacheStore
     from ..server.routes import ServerConfig, create_app
 
-    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark)
+    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
+                            head_dtype=args.head_dtype)
     if args.seed is not None:
         mx.random.seed(args.seed)
     store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir)

@@ -132,7 +132,7 @@ def _metal_run():
 
 
 def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
-        use_kernel: bool = True, run=None):
+        use_kernel: bool = True, run=None, streams32=None):
     """pre, post and comb mixes of one block side.
 
     Args:
@@ -142,11 +142,14 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
+        streams32: optional fp32 copy of `streams` (same values) for the ops, which read fp32
+            (saves them a cast); the kernel reads `streams`.
     Returns:
         (pre [B, S, n], post [B, S, n], comb [B, S, n, n]), fp32.
     """
     if run is not None:
         return run(streams, fn, base, scale, iters, eps, norm_eps)
     if not use_kernel or not metal_applies() or streams.size == 0 or streams.ndim < 3:
-        return mhc_ops(streams, fn, base, scale, iters, eps, norm_eps)
+        return mhc_ops(streams if streams32 is None else streams32, fn, base, scale, iters, eps,
+                       norm_eps)
     return _metal_run()(streams, fn, base, scale, iters, eps, norm_eps)

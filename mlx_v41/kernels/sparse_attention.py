@@ -91,7 +91,8 @@ def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window
     outs = []
     for i in range(0, max(length, 1), step):
         block = slots[i:i + step]
-        keys = window[:, block]                                           # [B, s, W, d]
+        # take: one gather (indexing `[:, block]` adds an arange and two index casts)
+        keys = mx.take(window, block, axis=1)                             # [B, s, W, d]
         valid = mx.broadcast_to(filled[None, i:i + step], (batch,) + block.shape)
         if selected:
             packed, present = _gather_packed(packed_kv, rows[:, i:i + step])

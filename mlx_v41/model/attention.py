@@ -37,15 +37,17 @@ class GroupedLinear(nn.Module):
         super().__init__()
         allocate_quantized(self, (groups,), output_dims, input_dims, mode, bits, group_size)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """x [..., G, K] -> [..., G, N]; bf16 input, no activation rounding (reference)."""
+    def __call__(self, x: mx.array, products: bool = False) -> mx.array:
+        """x [..., G, K] -> [..., G, N]; bf16 values in, no activation rounding (reference);
+        bf16 out, or with `products` the fp32 products before that rounding."""
         groups = self.weight.shape[0]
         ids = mx.broadcast_to(batch_rows((groups,)), x.shape[:-1])
         out = mx.gather_qmm(x[..., None, :].astype(mx.float32), self.weight, self.scales,
                             self.get("biases"), lhs_indices=batch_rows(x.shape[:-1]),
                             rhs_indices=ids, transpose=True,
                             group_size=self.group_size, bits=self.bits, mode=self.mode)
-        return out.squeeze(-2).astype(mx.bfloat16)
+        out = out.squeeze(-2)
+        return out if products else out.astype(mx.bfloat16)
 
 
 def add_projections(module: nn.Module, cfg: TextConfig) -> None:
@@ -82,30 +84,35 @@ class Attention(nn.Module):
         self.pool_blocks, self.pool_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
 
     def __call__(self, x: mx.array, ctx: ForwardState, cache: LayerCache,
-                 n_out: Optional[int] = None) -> mx.array:
+                 n_out: Optional[int] = None, products: bool = False) -> mx.array:
         """x [B, n_in, D]: attention inputs of the last n_in positions of the call. All n_in
-        rows get window KV; only the last `n_out` rows (default all) are queries."""
+        rows get window KV; only the last `n_out` rows (default all) are queries. Output bf16,
+        or with `products` the fp32 products of `o_b_proj` before that rounding (`expand`
+        rounds them in its own fused kernel)."""
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
         xq = self.kv_proj.prepare(x)  # q_a_proj reads the same rounded input
-        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj.apply(xq)), ctx.end - n_in))
+        kv = act_fp8_qdq(self.rope(self.kv_norm.of_products(self.kv_proj.matmul(xq)), ctx.end - n_in))
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
             self.compress(x, ctx)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
-        qr = self.q_a_norm(self.q_a_proj.apply(xq[:, n_in - n_out:]))
+        qr = self.q_a_norm.of_products(self.q_a_proj.matmul(xq[:, n_in - n_out:]))
         q = self.q_b_proj(qr).reshape(batch, n_out, self.heads, self.head_dim)
         q = self.rope(q, pos)
         packed, rows = self._packed_rows(x, qr, ctx)
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
                                self.window, use_kernel=ctx.kernels.use,
                                run=ctx.kernels.sparse_attention)
-        out = self.rope(out, pos, inverse=True)
+        # fp32 between the kernels, each value still a bf16 one: every rounding the reference
+        # makes happens inside the fused kernel that reads it, not as a cast of its own.
+        out = self.rope(out, pos, inverse=True, dtype=mx.float32)
         groups = self.o_a_proj.weight.shape[0]
-        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1))
-        return self.o_b_proj(out.reshape(batch, n_out, -1))
+        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
+        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), is_products=True)
+        return self.o_b_proj.matmul(out) if products else self.o_b_proj.apply(out)
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
         """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows

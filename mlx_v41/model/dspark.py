@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..kernels.sparse_attention import attend
 from .attention import add_projections
 from .config import TextConfig
-from .layers import QuantLinear, RMSNorm
+from .layers import QuantLinear, RMSNorm, head_logits
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
 from .quant import act_fp8_qdq
@@ -170,7 +170,7 @@ class DSpark(nn.Module):
         given the previous draft, confidence logits [B, block] fp32). `sample(logits) -> ids`
         draws each draft (argmax when None)."""
         collapsed = collapse(streams, pre)
-        base = self.norm(collapsed).astype(mx.float32) @ lm_head.astype(mx.float32).T
+        base = head_logits(self.norm(collapsed), lm_head)
         embed = self.markov_head.embed
         head = self.markov_head.head.astype(mx.float32)
         proj = self.confidence_head.proj.astype(mx.float32)

@@ -17,6 +17,17 @@ from .quant import act_fp8_qdq
 
 PAIRWISE_LEAF = 16  # values summed in sequence at the leaves of the pairwise norm reduction
 LEVELS_FUSED = 4  # pairwise halvings per fused kernel: 16 chunk inputs (MLX fuses <= 24 arrays)
+# LM head weight dtypes: the reference's fp32, or bf16 (the checkpoint's values, half the bytes)
+HEAD_DTYPES = ("float32", "bfloat16")
+
+
+def head_logits(hidden: mx.array, weight: mx.array) -> mx.array:
+    """fp32 logits of bf16 rows against the LM head `weight` [V, D]. fp32 weights: an fp32
+    matmul (the reference). bf16 weights: a bf16 matmul (exact products, fp32 accumulation),
+    so the logits carry its bf16 output rounding (README, "Deviations from the reference")."""
+    if weight.dtype == mx.bfloat16:
+        return (hidden.astype(mx.bfloat16) @ weight.T).astype(mx.float32)
+    return hidden.astype(mx.float32) @ weight.T
 
 
 class RMSNorm(nn.Module):
@@ -28,16 +39,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _compiled_rms_norm(self.eps)(x, self.weight)
+        return _compiled_rms_norm(self.eps, False)(x, self.weight)
+
+    def pair(self, x: mx.array):
+        """(the norm in bf16, the same values in fp32) from one fused kernel, for a block
+        whose readers take both."""
+        return _compiled_rms_norm_pair(self.eps)(x, self.weight)
+
+    def of_products(self, x: mx.array) -> mx.array:
+        """The norm of bf16(x) for fp32 projection products x (`QuantLinear.matmul`): the
+        output rounding runs inside the norm's fused kernels instead of as a kernel of its own."""
+        return _compiled_rms_norm(self.eps, True)(x, self.weight)
 
 
-def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    xf = x.astype(mx.float32)
-    normed = xf * mx.rsqrt(_pairwise_mean(x) + eps)
+def _rms_norm(x: mx.array, weight: mx.array, eps: float, is_products: bool) -> mx.array:
+    xf = _rounded(x, is_products)
+    normed = xf * mx.rsqrt(_pairwise_mean(x, is_products) + eps)
     return (weight * normed).astype(mx.bfloat16)
 
 
-def _pairwise_mean(x: mx.array) -> mx.array:
+def _rounded(x: mx.array, is_products: bool) -> mx.array:
+    """fp32 of x, or of bf16(x) for products (cast per reader, so it fuses into each)."""
+    return (x.astype(mx.bfloat16) if is_products else x).astype(mx.float32)
+
+
+def _pairwise_mean(x: mx.array, is_products: bool = False) -> mx.array:
     """Mean of x^2 over the last axis, summed pairwise (halves added until PAIRWISE_LEAF
     remain, then in sequence): it rounds like the reference's fp32 reduction where a
     sequential sum is off by an ulp, and one such ulp in a norm moves a block's whole window
@@ -46,7 +72,8 @@ def _pairwise_mean(x: mx.array) -> mx.array:
     halvings = 0
     while width % 2 == 0 and width > PAIRWISE_LEAF:
         width, halvings = width // 2, halvings + 1
-    parts = [_square(part) for part in _chunks(x, 2 ** min(halvings, LEVELS_FUSED))]
+    parts = [_square(_rounded(part, is_products))
+             for part in _chunks(x, 2 ** min(halvings, LEVELS_FUSED))]
     while halvings:
         levels = min(halvings, LEVELS_FUSED)
         for _ in range(levels):
@@ -70,9 +97,17 @@ def _chunks(x: mx.array, n: int) -> list:
 
 
 @functools.cache
-def _compiled_rms_norm(eps: float):
+def _compiled_rms_norm_pair(eps: float):
+    def pair(x, weight):
+        out = _rms_norm(x, weight, eps, False)
+        return out, out.astype(mx.float32)
+    return mx.compile(pair)
+
+
+@functools.cache
+def _compiled_rms_norm(eps: float, is_products: bool):
     """Compiled per eps: on MLX's CPU backend a decode step costs what its op count costs."""
-    return mx.compile(functools.partial(_rms_norm, eps=eps))
+    return mx.compile(functools.partial(_rms_norm, eps=eps, is_products=is_products))
 
 
 class QuantLinear(nn.Module):
@@ -87,11 +122,14 @@ class QuantLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return self.apply(self.prepare(x))
 
-    def prepare(self, x: mx.array) -> mx.array:
+    def prepare(self, x: mx.array, is_products: bool = False) -> mx.array:
         """The matmul input: act_fp8-rounded (when the reference rounds it) fp32, shareable
         by linears that read the same activation. fp32 because MLX's CPU quantized matmul
-        accumulates bf16 inputs in bf16; the FP8 values are exact in both."""
-        return act_fp8_qdq(x, mx.float32) if self.quantize_input else x.astype(mx.float32)
+        accumulates bf16 inputs in bf16; the FP8 values are exact in both. `is_products`: x
+        is fp32 products whose bf16 rounding is the activation (rounded here, fused)."""
+        if self.quantize_input:
+            return act_fp8_qdq(x, mx.float32, is_products)
+        return _rounded(x, is_products)
 
     def apply(self, x: mx.array) -> mx.array:
         """y = x W^T for an input already `prepare`d; bf16 output."""

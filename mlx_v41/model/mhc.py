@@ -29,11 +29,13 @@ class HyperConnection(nn.Module):
         self.scale = mx.zeros((3,), dtype=mx.float32)
         self._iters, self._eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
 
-    def __call__(self, streams: mx.array, kernels: Optional[Kernels] = None):
-        """`streams` [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (fp32)."""
+    def __call__(self, streams: mx.array, kernels: Optional[Kernels] = None,
+                 streams32: Optional[mx.array] = None):
+        """`streams` [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (fp32).
+        `streams32`: the same values in fp32 when the caller has them (`expand_pair`)."""
         kernels = kernels or Kernels()
         return mhc(streams, self.fn, self.base, self.scale, self._iters, self._eps,
-                   self._norm_eps, use_kernel=kernels.use, run=kernels.mhc)
+                   self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32)
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:
@@ -49,14 +51,31 @@ def _compiled_collapse(streams: mx.array, pre: mx.array) -> mx.array:
 
 
 def expand(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """`hc_post`: copy b = post_b * y + sum_a comb[a, b] * residual_a, in fp32, rounded to bf16."""
+    """`hc_post`: copy b = post_b * y + sum_a comb[a, b] * residual_a, in fp32, rounded to bf16.
+    `y` is the bf16 block output, or fp32 products that round to it (rounded here, fused)."""
     return _compiled_expand(y, residual, post, comb)
+
+
+def expand_pair(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array):
+    """`expand`, and its bf16 result as fp32 (for the next mixes), from one fused kernel."""
+    return _compiled_expand_pair(y, residual, post, comb)
+
+
+@mx.compile
+def _compiled_expand_pair(y, residual, post, comb):
+    out = _expand(y, residual, post, comb)
+    return out, out.astype(mx.float32)
 
 
 @mx.compile
 def _compiled_expand(y, residual, post, comb) -> mx.array:
+    return _expand(y, residual, post, comb)
+
+
+def _expand(y, residual, post, comb) -> mx.array:
     # [B, S, n(b), D] from the n terms a: comb row a [B, S, n(b), 1] x residual a [B, S, 1, D]
     terms = [row.swapaxes(-1, -2) * r.astype(mx.float32)
              for row, r in zip(along(comb, -2), along(residual, -2))]
-    out = post[..., None] * y[..., None, :].astype(mx.float32) + chain_sum(terms, 0.0)
+    y = y[..., None, :].astype(mx.bfloat16).astype(mx.float32)
+    out = post[..., None] * y + chain_sum(terms, 0.0)
     return out.astype(residual.dtype)

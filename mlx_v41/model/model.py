@@ -22,8 +22,8 @@ from .config import ModelArgs, TextConfig
 from .dspark import DSpark
 from .engram import Engram
 from .engram_hash import EngramHasher
-from .layers import RMSNorm
-from .mhc import HyperConnection, collapse, expand
+from .layers import HEAD_DTYPES, RMSNorm, head_logits
+from .mhc import HyperConnection, collapse, expand, expand_pair
 from .moe import MoE
 from .prefill import PREFILL_MODES, run_forward
 from .schedule import decoder_start, layer_roles
@@ -66,10 +66,11 @@ class Block(nn.Module):
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
-        streams = expand(self.self_attn(u, state, cache, n_out), streams, a_post, a_comb)
-        f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels)
-        u = self.mlp(self.post_attention_layernorm(collapse(streams, a_pre)),
-                     state.image_positions(n_out), self.gate_recorder(state))
+        streams, streams32 = expand_pair(self.self_attn(u, state, cache, n_out, products=True),
+                                         streams, a_post, a_comb)
+        f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels, streams32)
+        u, u32 = self.post_attention_layernorm.pair(collapse(streams, a_pre))
+        u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32)
         streams = expand(u, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)
@@ -151,10 +152,12 @@ class Model(nn.Module):
 
     def __init__(self, args: ModelArgs, compat_reference_index_k_bug: bool = False,
                  prefill_mode: str = "ced", ced_rollback: Optional[int] = None,
-                 dspark: bool = False, vision: bool = False):
+                 dspark: bool = False, vision: bool = False, head_dtype: str = "float32"):
         super().__init__()
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        if head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype must be one of {HEAD_DTYPES}, got {head_dtype!r}")
         cfg = args.text_config
         # Tokens a trim can undo right after a CED prefill. Default: what the window rings
         # allow after decoding too (window + 1), so every prefill mode trims alike.
@@ -167,6 +170,7 @@ class Model(nn.Module):
         self.args, self.cfg = args, cfg
         self.model = TextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.lm_head.weight.astype(getattr(mx, head_dtype))
         if dspark:  # the drafter's stages and heads (`mtp.*`); embed and head are shared
             self.dspark = DSpark(cfg)
         if vision:  # the image tower under its published names: vision.*, aligner.*, image_*
@@ -262,7 +266,7 @@ class Model(nn.Module):
         """fp32 logits of the normed hidden rows (all, or the last)."""
         if last_only:
             hidden = hidden[:, -1:]
-        return hidden.astype(mx.float32) @ self.lm_head.weight.T
+        return head_logits(hidden, self.lm_head.weight)
 
 
 def _usable_mode(cfg: TextConfig, mode: str, start: int) -> str:

@@ -34,6 +34,12 @@ class Router(nn.Module):
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None):
         """-> (expert ids [B, S, k] int32, weights [B, S, k] fp32). Positions where
         `image_mask` [B, S] is True select with `bias_vl`; the weights never see a bias."""
+        ids, weights = self.select(x, image_mask)
+        return ids.astype(mx.int32), weights
+
+    def select(self, x: mx.array, image_mask: Optional[mx.array] = None):
+        """As `__call__`, with the ids uint32 (argpartition's dtype, the one gather_qmm
+        takes): the experts need no index cast."""
         logits = x.astype(mx.float32) @ self.weight.T
         scores = _sqrt_softplus(logits)
         bias = self.e_score_correction_bias
@@ -43,7 +49,7 @@ class Router(nn.Module):
         ids = mx.argpartition(-biased, self.top_k - 1, axis=-1)[..., :self.top_k]
         weights = mx.take_along_axis(scores, ids, axis=-1)
         total = mx.sum(weights, axis=-1, keepdims=True)
-        return ids.astype(mx.int32), _normalised(weights, total, self.route_scale)
+        return ids, _normalised(weights, total, self.route_scale)
 
 
 @mx.compile
@@ -117,7 +123,7 @@ class SwitchMLP(nn.Module):
         """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D]: fp32
         products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them)."""
         tokens, k = ids.shape
-        ids = ids.astype(mx.uint32)  # gather_qmm's index dtype, cast once for the three
+        ids = ids.astype(mx.uint32)  # gather_qmm's index dtype (a no-op for `Router.select`'s)
         swiglu = _compiled_swiglu_of_products(self.limit, True)
         if tokens * k < SORT_THRESHOLD:
             rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
@@ -162,13 +168,14 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None,
-                 record: Optional[Callable] = None) -> mx.array:
-        """x [B, S, D]; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
-        `gate.indices` and `gate.weights`."""
+                 record: Optional[Callable] = None, x32: Optional[mx.array] = None) -> mx.array:
+        """x [B, S, D] bf16; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
+        `gate.indices` and `gate.weights`; `x32`: x in fp32 if the caller has it (the router
+        reads fp32)."""
         batch, length, dim = x.shape
-        ids, weights = self.gate(x, image_mask)
+        ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
         if record is not None:
-            record("gate.indices", ids)
+            record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
         flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
         total = self.routed_sum(flat, ids, weights)

@@ -148,18 +148,24 @@ def unpack_nibbles(packed: mx.array) -> mx.array:
 
 # ---------------------------------------------------------------- fake-quant functions
 
-def _act_fp8_parts(x: mx.array):
-    """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and s = 2^e."""
+def _act_fp8_parts(x: mx.array, is_products: bool = False):
+    """act_fp8 on groups [..., G, 32]: x / s (exact, |x / s| <= 448) and s = 2^e. With
+    `is_products` the activation is bf16(x) of fp32 products x."""
     groups = _groups(x, ACT_FP8_BLOCK)
     # |x| before the cast (the same values): the cast then fuses into both of its readers
-    # instead of being one more kernel whose output both read.
-    amax = mx.abs(groups).astype(mx.float32).max(axis=-1, keepdims=True)
-    g = groups.astype(mx.float32)
+    # instead of being one more kernel whose output both read. (bf16 rounding is symmetric,
+    # so |bf16(x)| = bf16(|x|): the products' rounding splits the same way.)
+    amax = _as_bf16(mx.abs(groups), is_products).astype(mx.float32).max(axis=-1, keepdims=True)
+    g = _as_bf16(groups, is_products).astype(mx.float32)
     amax = mx.maximum(amax, ACT_FP8_AMAX_FLOOR)
     # Multiply by the fp32 reciprocal as the reference does (for 1/448 and 1/6 provably the
     # same ceil as a division, but the reciprocal is the reference's operation).
     scale = _pow2_ceil(amax * mx.array(1.0 / FP8_E4M3_MAX, dtype=mx.float32))
     return g / scale, scale
+
+
+def _as_bf16(x: mx.array, is_products: bool) -> mx.array:
+    return x.astype(mx.bfloat16) if is_products else x
 
 
 def _exponent_byte(scale: mx.array) -> mx.array:
@@ -179,22 +185,23 @@ def act_fp8_quantize(x: mx.array):
     return mx.to_fp8(scaled).reshape(x.shape), _exponent_byte(scale)
 
 
-def act_fp8_qdq(x: mx.array, dtype=None) -> mx.array:
+def act_fp8_qdq(x: mx.array, dtype=None, is_products: bool = False) -> mx.array:
     """act_fp8 quantise-dequantise: E4M3(x / s) * s with s a power of two; returns `dtype`
     (default x.dtype; the values are exact in bf16 and fp32 alike). Compiled: it runs before
-    every FP8 linear, and on MLX's CPU backend the op count is what a decode step costs."""
-    return _compiled_act_fp8(dtype or x.dtype)(x)
+    every FP8 linear, and on MLX's CPU backend the op count is what a decode step costs.
+    `is_products`: x is fp32 products and the activation their bf16 rounding."""
+    return _compiled_act_fp8(dtype or x.dtype, is_products)(x)
 
 
-def _act_fp8_qdq(x: mx.array, dtype) -> mx.array:
-    scaled, scale = _act_fp8_parts(x)
+def _act_fp8_qdq(x: mx.array, dtype, is_products: bool) -> mx.array:
+    scaled, scale = _act_fp8_parts(x, is_products)
     values = mx.from_fp8(mx.to_fp8(scaled), mx.float32) * scale
     return values.reshape(x.shape).astype(dtype)
 
 
 @functools.cache
-def _compiled_act_fp8(dtype):
-    return mx.compile(functools.partial(_act_fp8_qdq, dtype=dtype))
+def _compiled_act_fp8(dtype, is_products: bool):
+    return mx.compile(functools.partial(_act_fp8_qdq, dtype=dtype, is_products=is_products))
 
 
 def _fp4_e8m0_parts(x: mx.array):

@@ -91,17 +91,18 @@ class RoPE:
                          mx.concatenate([zeros, sin], axis=-1)], axis=-1)
         return cos2, sin2
 
-    def __call__(self, x: mx.array, positions, inverse: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, positions, inverse: bool = False, dtype=None) -> mx.array:
         """`positions`: [S] absolute positions of axis 1 of `x`, or the int position of its
-        first row (contiguous rows; their tables are shared by every layer)."""
+        first row (contiguous rows; their tables are shared by every layer). Output in x's
+        dtype; `dtype` casts it inside the rotation's fused kernel (fp32 for an fp32 reader)."""
         if not isinstance(positions, mx.array):
             positions = (int(positions), x.shape[1])
         width = x.shape[-1]
         cos2, sin2 = self.tables(positions, width, inverse)
         extra = x.ndim - 3  # head axes between the sequence and feature axes
         shape = (1, cos2.shape[0]) + (1,) * extra + (width // 2, 2)
-        return _rotate(x, cos2.reshape(shape), sin2.reshape(shape), _rotated_pairs(
-            width, self.rope_dim))
+        return _compiled_rotate(dtype or x.dtype)(x, cos2.reshape(shape), sin2.reshape(shape),
+                                                  _rotated_pairs(width, self.rope_dim))
 
 
 @functools.cache
@@ -113,9 +114,13 @@ def _rotated_pairs(width: int, rope_dim: int) -> mx.array:
     return mask
 
 
-@mx.compile
-def _rotate(x: mx.array, cos2: mx.array, sin2: mx.array, rotated: mx.array) -> mx.array:
+def _rotate(x: mx.array, cos2: mx.array, sin2: mx.array, rotated: mx.array, dtype) -> mx.array:
     pairs = x.reshape(*x.shape[:-1], -1, 2)
     turned = pairs.astype(mx.float32) * cos2 + pairs[..., ::-1].astype(mx.float32) * sin2
-    out = mx.where(rotated, turned.astype(x.dtype), pairs)
+    out = mx.where(rotated, turned.astype(x.dtype), pairs).astype(dtype)  # before the view
     return out.reshape(x.shape)
+
+
+@functools.cache
+def _compiled_rotate(dtype):
+    return mx.compile(functools.partial(_rotate, dtype=dtype))

@@ -67,21 +67,22 @@ def _resize(module: nn.Module, lead: tuple, output_dims: int, input_dims: int) -
 
 class ReducedLinear(QuantLinear):
     """A linear over this rank's input columns: its fp32 products are summed over the ranks
-    before the bf16 rounding of the output (`o_b_proj`)."""
+    before the bf16 rounding of the output (`o_b_proj`; `apply` rounds `matmul`'s sum)."""
 
-    def apply(self, x: mx.array) -> mx.array:
-        return self.link.reduce(self.matmul(x)).astype(mx.bfloat16)
+    def matmul(self, x: mx.array) -> mx.array:
+        return self.link.reduce(super().matmul(x))
 
 
 class ShardedMoE(MoE):
     """Router on every rank; this rank's experts (`first_expert` on) and shared-expert share;
     one reduction of [routed sum, shared products]."""
 
-    def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None, record=None):
+    def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None, record=None,
+                 x32: Optional[mx.array] = None):
         batch, length, dim = x.shape
-        ids, weights = self.gate(x, image_mask)
+        ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
         if record is not None:
-            record("gate.indices", ids)
+            record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
         count = self.experts.switch_mlp.gate_proj.weight.shape[0]
         mine = (ids >= self.first_expert) & (ids < self.first_expert + count)

@@ -20,8 +20,7 @@ uint first = count - min(count, slots);  // first row that survives
 uint i = first + (slot + slots - (uint(offset) + first) % slots) % slots;
 if (i < count) {
   float v = float(rows[(batch * count + i) * width + channel]);
-  float amax = max(simd_max(fabs(v)), as_type<float>(V41_ACT_FP8_FLOOR));
-  int e = v41_ceil_log2(amax * as_type<float>(V41_ONE_448TH));
+  int e = v41_act_fp8_exponent(simd_max(fabs(v)));
   uint code = v41_float_to_e4m3(v * v41_exp2i(-e));  // x / 2^e, exact
   if (PACKED) {
     out[dst + channel] = T(float(code));

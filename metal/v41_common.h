@@ -24,6 +24,12 @@ inline int v41_ceil_log2(float t) {
   return int((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0u ? 1 : 0);
 }
 
+// act_fp8 block exponent e (scale 2^e = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))) of a
+// block's largest magnitude, exact; -22 <= e <= 120 for finite amax.
+inline int v41_act_fp8_exponent(float amax) {
+  return v41_ceil_log2(max(amax, as_type<float>(V41_ACT_FP8_FLOOR)) * as_type<float>(V41_ONE_448TH));
+}
+
 // E4M3FN byte -> fp32 (0x7F / 0xFF -> NaN), exact.
 inline float v41_e4m3_to_float(uint code) {
   uint e = (code >> 3) & 0xFu;

@@ -13,6 +13,7 @@ import pytest
 import mlx_v41
 from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.act_fp8 import act_fp8_ops
 from mlx_v41.kernels.fp4_pack import build_checked_fp4_pack, fp4_pack_ops
 from mlx_v41.kernels.mhc import mhc_ops
 from mlx_v41.kernels.sparse_attention import sparse_attention_ops
@@ -25,7 +26,8 @@ sim = functools.partial(metal_kernel, options=SimOptions())
 OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
        "v41_sparse_attention": ("sparse_attention", sparse_attention_ops),
        "v41_swa_ring_update": ("swa_ring_update", swa_ring_update_ops),
-       "v41_mhc": ("mhc", mhc_ops)}
+       "v41_mhc": ("mhc", mhc_ops),
+       "v41_act_fp8": ("act_fp8", act_fp8_ops)}
 
 
 def _build(factory):

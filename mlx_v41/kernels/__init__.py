@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .act_fp8 import build_act_fp8, build_checked_act_fp8
 from .fp4_pack import build_checked_fp4_pack, build_fp4_pack
 from .mhc import build_checked_mhc, build_mhc
 from .sparse_attention import build_checked_sparse_attention, build_sparse_attention
@@ -21,6 +22,7 @@ class Kernels:
     sparse_attention: Optional[Callable] = None
     swa_ring_update: Optional[Callable] = None
     mhc: Optional[Callable] = None
+    act_fp8: Optional[Callable] = None
 
     @classmethod
     def build(cls, metal_kernel, check: bool = False, include_mhc: bool = False) -> "Kernels":
@@ -31,11 +33,13 @@ class Kernels:
         kernel too; otherwise the dispatcher decides for it (its n*D-long sums run in another
         order than the ops, within 2^-15, which the chaotic model amplifies, so comparisons of
         the other kernels through the simulator keep the mHC ops)."""
-        builders = [build_fp4_pack, build_sparse_attention, build_swa_ring_update]
+        builders = {"fp4_pack": build_fp4_pack, "sparse_attention": build_sparse_attention,
+                    "swa_ring_update": build_swa_ring_update, "act_fp8": build_act_fp8}
         if check:
-            builders = [build_checked_fp4_pack, build_checked_sparse_attention,
-                        build_checked_swa_ring_update]
-        built = [build(metal_kernel) for build in builders]
+            builders = {"fp4_pack": build_checked_fp4_pack,
+                        "sparse_attention": build_checked_sparse_attention,
+                        "swa_ring_update": build_checked_swa_ring_update,
+                        "act_fp8": build_checked_act_fp8}
         if include_mhc:
-            built.append((build_checked_mhc if check else build_mhc)(metal_kernel))
-        return cls(True, *built)
+            builders["mhc"] = build_checked_mhc if check else build_mhc
+        return cls(True, **{name: build(metal_kernel) for name, build in builders.items()})

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.quant import ACT_FP8_BLOCK, act_fp8_qdq, pack_fp8_e8m0
-from .builder import build_kernel, metal_applies
+from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -54,12 +54,6 @@ def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset: int) -> mx.array
     return mx.put_along_axis(ring, index, values, axis=1)
 
 
-def _threadgroup(threads: int) -> int:
-    """Largest of 256/128/64/32 dividing `threads` (a multiple of 32): the simd_max needs full,
-    uniform simdgroups and the grid an exact multiple of the threadgroup."""
-    return next(t for t in (256, 128, 64, 32) if threads % t == 0)
-
-
 def build_swa_ring_update(metal_kernel=None):
     """The kernel as `run(ring, rows, offset)`, built from metal/swa_ring.metal with `metal_kernel`
     (mx.fast.metal_kernel by default; tests pass the simulator)."""
@@ -71,7 +65,7 @@ def build_swa_ring_update(metal_kernel=None):
         packed = is_packed_ring(ring, rows.shape[-1])
         out, = kernel(inputs=[ring, rows, int(offset)],
                       template=[("T", ring.dtype), ("PACKED", packed)],
-                      grid=(threads, 1, 1), threadgroup=(_threadgroup(threads), 1, 1),
+                      grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
                       output_shapes=[ring.shape], output_dtypes=[ring.dtype])
         return out
 

@@ -90,8 +90,9 @@ def sparse_folder(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("sparse"), tiny_text_config(), engram=False)
 
 
-def skip_fp8_rounding(x, dtype=None):
-    """Stand-in for mlx_v41's act_fp8_qdq (same signature) that leaves values unrounded."""
+def skip_fp8_rounding(x, dtype=None, is_products=False, kernels=None):
+    """Stand-in for mlx_v41's round_act_fp8 (same signature) that leaves values unrounded."""
+    x = x.astype(mx.bfloat16) if is_products else x
     return x if dtype is None else x.astype(dtype)
 
 
@@ -102,7 +103,7 @@ def load_both(folder, numerics: str, monkeypatch):
         for module in ours.modules():
             if isinstance(module, QuantLinear):
                 module.quantize_input = False
-        monkeypatch.setattr(moe, "act_fp8_qdq", skip_fp8_rounding)
+        monkeypatch.setattr(moe, "round_act_fp8", skip_fp8_rounding)
         theirs.set_dtype(mx.float32)
     return ours, theirs
 

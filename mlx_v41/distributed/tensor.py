@@ -21,10 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoint.slicing import Shard
-from ..model.layers import QuantLinear, allocate_quantized
+from ..model.layers import QuantLinear, allocate_quantized, round_act_fp8
 from ..model.model import Model
 from ..model.moe import MoE
-from ..model.quant import WEIGHT_BLOCK, act_fp8_qdq
+from ..model.quant import WEIGHT_BLOCK
 from .link import Link, is_backend_error
 
 
@@ -78,7 +78,7 @@ class ShardedMoE(MoE):
     one reduction of [routed sum, shared products]."""
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None, record=None,
-                 x32: Optional[mx.array] = None):
+                 x32: Optional[mx.array] = None, kernels=None):
         batch, length, dim = x.shape
         ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
         if record is not None:
@@ -88,8 +88,9 @@ class ShardedMoE(MoE):
         mine = (ids >= self.first_expert) & (ids < self.first_expert + count)
         local = mx.where(mine, ids - self.first_expert, 0)
         weights = mx.where(mine, weights, 0.0)
-        flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
-        partial = mx.stack([self.routed_sum(flat, local, weights), self.shared_experts(x, flat)])
+        flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels)
+        partial = mx.stack([self.routed_sum(flat, local, weights, kernels),
+                            self.shared_experts(x, flat, kernels)])
         routed, shared = self.link.reduce(partial)
         return self.combine(routed, shared).reshape(batch, length, dim)
 

@@ -18,9 +18,9 @@ from .shared import ForwardState
 from .indexer import Indexer
 from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
-from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
+from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows, round_act_fp8
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
-from .quant import act_fp8_qdq, unpack_fp4_e8m0
+from .quant import unpack_fp4_e8m0
 from .rope import shared_rope
 
 # Query rows x index heads x key rows scored at once: 16 MiB of fp32 per intermediate. A
@@ -91,8 +91,9 @@ class Attention(nn.Module):
         rounds them in its own fused kernel)."""
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
-        xq = self.kv_proj.prepare(x)  # q_a_proj reads the same rounded input
-        kv = act_fp8_qdq(self.rope(self.kv_norm.of_products(self.kv_proj.matmul(xq)), ctx.end - n_in))
+        xq = self.kv_proj.prepare(x, kernels=ctx.kernels)  # q_a_proj reads the same input
+        kv = self.rope(self.kv_norm.of_products(self.kv_proj.matmul(xq)), ctx.end - n_in)
+        kv = round_act_fp8(kv, kernels=ctx.kernels)
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
         qr = self.q_a_norm.of_products(self.q_a_proj.matmul(xq[:, n_in - n_out:]))
-        q = self.q_b_proj(qr).reshape(batch, n_out, self.heads, self.head_dim)
+        q = self.q_b_proj(qr, ctx.kernels).reshape(batch, n_out, self.heads, self.head_dim)
         q = self.rope(q, pos)
         packed, rows = self._packed_rows(x, qr, ctx)
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         out = self.rope(out, pos, inverse=True, dtype=mx.float32)
         groups = self.o_a_proj.weight.shape[0]
         out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
-        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), is_products=True)
+        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), True, ctx.kernels)
         return self.o_b_proj.matmul(out) if products else self.o_b_proj.apply(out)
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
@@ -154,7 +155,7 @@ class Attention(nn.Module):
                 pool = Pool(self.pool_block, member=shared.pool[:, -n:])
             picked = select_rows(self.indexer, self.rope, x, qr, self._index_keys(ctx, owner),
                                  ctx.end - n, role.ratio, self.topk, SCORE_BLOCK_ELEMENTS, pool,
-                                 keep_scores=ctx.capture is not None)
+                                 keep_scores=ctx.capture is not None, kernels=ctx.kernels)
             rows = picked.rows
             if picked.member is not None:
                 shared.pool = picked.member

@@ -34,11 +34,11 @@ class Indexer(nn.Module):
         latents [B, G, d] at their group positions."""
         return rope(self.k_norm(self.k_proj(latents)), positions)
 
-    def queries(self, x, qr, positions, rope: RoPE):
+    def queries(self, x, qr, positions, rope: RoPE, kernels=None):
         """(FP4-rounded index queries [B, S, H, d], bf16 head weights [B, S, H, 1]) of query
-        rows x [B, S, D] with low-rank queries qr at `positions`."""
+        rows x [B, S, D] with low-rank queries qr at `positions` (`kernels`: the model's)."""
         batch, length, _ = x.shape
-        q = self.q_b_proj(qr).reshape(batch, length, self.n_heads, self.index_dim)
+        q = self.q_b_proj(qr, kernels).reshape(batch, length, self.n_heads, self.index_dim)
         q = fp4_e8m0_qdq(rope(q, positions))
         scale = (self.index_dim ** -0.5) * (self.n_heads ** -0.5)
         return q, (self.weights_proj(x) * scale).astype(mx.bfloat16)[..., None]

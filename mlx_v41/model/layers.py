@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .quant import act_fp8_qdq
+from ..kernels import Kernels
+from ..kernels.act_fp8 import act_fp8
 
 PAIRWISE_LEAF = 16  # values summed in sequence at the leaves of the pairwise norm reduction
 LEVELS_FUSED = 4  # pairwise halvings per fused kernel: 16 chunk inputs (MLX fuses <= 24 arrays)
@@ -110,6 +112,14 @@ def _compiled_rms_norm(eps: float, is_products: bool):
     return mx.compile(functools.partial(_rms_norm, eps=eps, is_products=is_products))
 
 
+def round_act_fp8(x: mx.array, dtype=None, is_products: bool = False,
+                  kernels: Optional[Kernels] = None) -> mx.array:
+    """act_fp8 of x (`quant.act_fp8_qdq`): the Metal kernel where `kernels` apply (by default
+    where the dispatcher finds Metal), its ops otherwise."""
+    k = kernels or Kernels()
+    return act_fp8(x, dtype, is_products, use_kernel=k.use, run=k.act_fp8)
+
+
 class QuantLinear(nn.Module):
     """y = x W^T over a packed weight; `quantize_input` applies the reference's act_fp8."""
 
@@ -119,16 +129,18 @@ class QuantLinear(nn.Module):
         allocate_quantized(self, (), output_dims, input_dims, mode, bits, group_size)
         self.quantize_input = quantize_input
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.apply(self.prepare(x))
+    def __call__(self, x: mx.array, kernels: Optional[Kernels] = None) -> mx.array:
+        return self.apply(self.prepare(x, kernels=kernels))
 
-    def prepare(self, x: mx.array, is_products: bool = False) -> mx.array:
+    def prepare(self, x: mx.array, is_products: bool = False,
+                kernels: Optional[Kernels] = None) -> mx.array:
         """The matmul input: act_fp8-rounded (when the reference rounds it) fp32, shareable
         by linears that read the same activation. fp32 because MLX's CPU quantized matmul
         accumulates bf16 inputs in bf16; the FP8 values are exact in both. `is_products`: x
-        is fp32 products whose bf16 rounding is the activation (rounded here, fused)."""
+        is fp32 products whose bf16 rounding is the activation (rounded here, fused).
+        `kernels`: the model's (the act_fp8 Metal kernel where they apply)."""
         if self.quantize_input:
-            return act_fp8_qdq(x, mx.float32, is_products)
+            return round_act_fp8(x, mx.float32, is_products, kernels)
         return _rounded(x, is_products)
 
     def apply(self, x: mx.array) -> mx.array:

@@ -61,7 +61,7 @@ class Block(nn.Module):
         streams, pre_in = self.inputs(streams, pre_in, state)
         if self.role.engram_index is not None:
             rows = state.engram_rows[:, -n_in:, self.role.engram_index]
-            streams = self.engram(streams, rows, state.image_positions(n_in))
+            streams = self.engram(streams, rows, state.image_positions(n_in), state.kernels)
             state.record(f"layers.{self.role.layer}.engram_out", streams)
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
@@ -70,7 +70,8 @@ class Block(nn.Module):
                                          streams, a_post, a_comb)
         f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels, streams32)
         u, u32 = self.post_attention_layernorm.pair(collapse(streams, a_pre))
-        u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32)
+        u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
+                     state.kernels)
         streams = expand(u, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)

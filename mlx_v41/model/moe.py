@@ -14,8 +14,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import QuantLinear, allocate_quantized, batch_rows
-from .quant import act_fp8_qdq
+from .layers import QuantLinear, allocate_quantized, batch_rows, round_act_fp8
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
 SORT_THRESHOLD = 64  # below this many (token, expert) pairs, gathering unsorted is cheaper
@@ -119,9 +118,10 @@ class SwitchMLP(nn.Module):
         self.down_proj = SwitchLinear(inter, hidden, n_experts)
         self.limit = limit
 
-    def __call__(self, x, ids, weights):
+    def __call__(self, x, ids, weights, kernels=None):
         """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D]: fp32
-        products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them)."""
+        products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them).
+        `kernels`: the model's (the act_fp8 kernel where they apply)."""
         tokens, k = ids.shape
         ids = ids.astype(mx.uint32)  # gather_qmm's index dtype (a no-op for `Router.select`'s)
         swiglu = _compiled_swiglu_of_products(self.limit, True)
@@ -129,7 +129,8 @@ class SwitchMLP(nn.Module):
             rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
             act = swiglu(self.gate_proj.matmul(rows, ids), self.up_proj.matmul(rows, ids),
                          weights[..., None, None])
-            return self.down_proj.matmul(act_fp8_qdq(act, mx.float32), ids).squeeze(-2)
+            act = round_act_fp8(act, mx.float32, kernels=kernels)
+            return self.down_proj.matmul(act, ids).squeeze(-2)
         flat_ids = ids.reshape(-1)
         order = mx.argsort(flat_ids)
         inverse = mx.argsort(order)
@@ -138,7 +139,8 @@ class SwitchMLP(nn.Module):
         act = swiglu(self.gate_proj.matmul(rows, sorted_ids, True),
                      self.up_proj.matmul(rows, sorted_ids, True),
                      weights.reshape(-1)[order][:, None, None])
-        out = self.down_proj.matmul(act_fp8_qdq(act, mx.float32), sorted_ids, True)
+        act = round_act_fp8(act, mx.float32, kernels=kernels)
+        out = self.down_proj.matmul(act, sorted_ids, True)
         return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
 
 
@@ -150,13 +152,13 @@ class SharedExpert(nn.Module):
         self.down_proj = QuantLinear(inter, hidden)
         self.limit = limit
 
-    def __call__(self, x, prepared=None):
+    def __call__(self, x, prepared=None, kernels=None):
         """fp32 products of `down_proj`, before its bf16 rounding. `prepared`: x already
         act_fp8-rounded (the routed experts' input, shared)."""
-        xq = self.gate_proj.prepare(x) if prepared is None else prepared
+        xq = self.gate_proj.prepare(x, kernels=kernels) if prepared is None else prepared
         swiglu = _compiled_swiglu_of_products(self.limit, False)
         act = swiglu(self.gate_proj.matmul(xq), self.up_proj.matmul(xq))
-        return self.down_proj.matmul(self.down_proj.prepare(act))
+        return self.down_proj.matmul(self.down_proj.prepare(act, kernels=kernels))
 
 
 class MoE(nn.Module):
@@ -168,24 +170,28 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None,
-                 record: Optional[Callable] = None, x32: Optional[mx.array] = None) -> mx.array:
+                 record: Optional[Callable] = None, x32: Optional[mx.array] = None,
+                 kernels=None) -> mx.array:
         """x [B, S, D] bf16; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
         `gate.indices` and `gate.weights`; `x32`: x in fp32 if the caller has it (the router
-        reads fp32)."""
+        reads fp32); `kernels`: the model's (the act_fp8 kernel where they apply)."""
         batch, length, dim = x.shape
         ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
         if record is not None:
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
-        flat = act_fp8_qdq(x.reshape(-1, dim), mx.float32)
-        total = self.routed_sum(flat, ids, weights)
-        return self.combine(total, self.shared_experts(x, flat)).reshape(batch, length, dim)
+        flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels)
+        total = self.routed_sum(flat, ids, weights, kernels)
+        shared = self.shared_experts(x, flat, kernels)
+        return self.combine(total, shared).reshape(batch, length, dim)
 
-    def routed_sum(self, flat: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+    def routed_sum(self, flat: mx.array, ids: mx.array, weights: mx.array,
+                   kernels=None) -> mx.array:
         """[T, D] fp32 sum over the k chosen experts of their bf16 outputs; flat [T, D]
         FP8-rounded, ids / weights [B, S, k]."""
         k = ids.shape[-1]
-        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k))
+        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k),
+                                         kernels)
         return mx.sum(_bf16_rounded(routed), axis=1)
 
     @staticmethod

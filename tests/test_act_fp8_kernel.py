@@ -148,3 +148,15 @@ def test_model_with_the_kernel_equals_the_ops(goldens):
     assert mx.array_equal(model(ids), reference(ids)).item()
     layers = len(model.model.layers)
     assert len(calls) >= 7 * layers, (len(calls), layers)  # 91 calls: 7.6 per layer
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device (macOS)")
+def test_act_fp8_kernel_matches_ops_on_device():
+    """Apple's compiler and GPU: MLX's kernel (self-checked) against the ops, bit for bit."""
+    values = _activations(11, 64).reshape(8, 256)
+    with mx.stream(mx.gpu):  # the module runs on the CPU; Metal kernels run on the GPU only
+        for is_products, dtype in ((False, mx.bfloat16), (True, mx.float32)):
+            x = mx.array(_products(values, 11) if is_products else values.astype(np.float32))
+            x = x if is_products else x.astype(mx.bfloat16)
+            _same_bits(build_act_fp8()(x, dtype, is_products), act_fp8_qdq(x, dtype, is_products))

@@ -9,11 +9,12 @@ Engram), prefills the same prompt into both models and traces one decode step:
 * ops path: the graph of the step's logits and every cache array it updates, exported with
   `mx.export_to_dot` (compiled regions as the `Compiled...` nodes `mx.compile` fused), for
   mlx_v41 on its reference ops and for mlx-lm's `deepseek_v41`;
-* Metal path: mlx_v41 with every kernel one launch: the kernels are built through their
-  builders with a stand-in `metal_kernel` factory whose launch is one `Depends` node over the
-  kernel's inputs (benchmarks/bench_kernels.py traces real `CustomKernel` nodes inside
-  `mx.export_function`, but under that tracing `mx.compile` does not fuse, so a whole step
-  traced there would count every fused op apart).
+* Metal path: mlx_v41 with every kernel one launch (`Kernels.build`: sparse attention, SWA
+  ring, FP4 pack, mHC, act_fp8): the kernels are built through their builders with a
+  stand-in `metal_kernel` factory whose launch is one `Depends` node over the kernel's inputs
+  (benchmarks/bench_kernels.py traces real `CustomKernel` nodes inside `mx.export_function`,
+  but under that tracing `mx.compile` does not fuse, so a whole step traced there would count
+  every fused op apart).
 
 A primitive that is a view (broadcast, reshape, slice, split, ...) launches nothing and is not
 counted; a `Compiled...` node (an `mx.compile` fusion) is one launch. Per layer = per token /

@@ -15,10 +15,9 @@ import mlx.nn as nn
 from ..kernels.sparse_attention import attend
 from .attention import add_projections
 from .config import TextConfig
-from .layers import QuantLinear, RMSNorm, head_logits
+from .layers import QuantLinear, RMSNorm, head_logits, round_act_fp8
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
-from .quant import act_fp8_qdq
 from .rope import shared_rope
 
 MAIN_NORM_EPS = 1e-20  # main_norm's eps in the reference, not the text model's
@@ -36,13 +35,13 @@ class DSparkAttention(nn.Module):
 
     def kv_rows(self, x: mx.array, position) -> mx.array:
         """FP8-rounded, RoPE'd KV rows [B, S, d] of inputs x [B, S, D] at `position`.."""
-        return act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj(x)), position))
+        return round_act_fp8(self.rope(self.kv_norm(self.kv_proj(x)), position))
 
     def __call__(self, u: mx.array, ring: Optional[mx.array], position: int) -> mx.array:
         """u [B, n, D] the block's attention input at positions position..; ring [B, r, d]."""
         batch, n, _ = u.shape
         xq = self.kv_proj.prepare(u)
-        kv = act_fp8_qdq(self.rope(self.kv_norm(self.kv_proj.apply(xq)), position))
+        kv = round_act_fp8(self.rope(self.kv_norm(self.kv_proj.apply(xq)), position))
         keys = kv if ring is None else mx.concatenate([ring.astype(kv.dtype), kv], axis=1)
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj.apply(xq)))
         q = self.rope(q.reshape(batch, n, self.heads, self.head_dim), position)

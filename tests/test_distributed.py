@@ -156,3 +156,137 @@ def test_killed_rank_ends_the_others(tmp_path, split):
     lines = [ln for ln in err.splitlines() if "lost rank 1" in ln]
     assert len(lines) == 1 and lines[0].startswith("rank 0: lost rank 1 while"), err
     assert time.monotonic() - tic < 60
+
+
+# ---------------------------------------------------------------- mlx_v41.chat over the ranks
+
+CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32"]  # chunked prompts: progress on stderr
+CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Hi there", "/thinking on"]
+REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 6: "/image {tmp}/cat.png"}
+
+
+def one_process_chat(script, capsys, monkeypatch) -> str:
+    import io
+    from mlx_v41.cli.chat import main as chat_main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in script)))
+    assert chat_main(["--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS]) == 0
+    out, err = capsys.readouterr()
+    assert "error" not in err, err
+    return out
+
+
+def comparable(transcript: str) -> str:
+    """A transcript less its rates and memory sizes (timings; a rank holds a share)."""
+    import re
+
+    return re.sub(r"[\d.]+ (tokens/s|GB|MiB)", "#", transcript).rstrip("\n")
+
+
+class Launched:
+    """`mlx.launch` in a session of its own (so a Ctrl-C reaches it and every rank, as a
+    terminal's does), fed and read line by line."""
+
+    def __init__(self, n: int, *command):
+        import signal
+
+        cmd = ["mlx.launch", "-n", str(n), "--python", sys.executable, "--", *map(str, command)]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.text = {self.proc.stdout.fileno(): b"", self.proc.stderr.fileno(): b""}
+
+    def send(self, lines) -> None:
+        self.proc.stdin.write("".join(f"{line}\n" for line in lines).encode())
+        self.proc.stdin.flush()
+
+    @property
+    def out(self) -> str:
+        return self.text[self.proc.stdout.fileno()].decode(errors="replace")
+
+    @property
+    def err(self) -> str:
+        return self.text[self.proc.stderr.fileno()].decode(errors="replace")
+
+    def read_until(self, done, timeout=TIMEOUT) -> None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while not done(self):
+            assert time.monotonic() < deadline, f"timed out: {self.out!r} {self.err!r}"
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.err}"
+            for fd in select.select(list(self.text), [], [], 0.5)[0]:
+                self.text[fd] += os.read(fd, 65536)
+
+    def wait_gone(self, timeout: float) -> float:
+        """Seconds until no process of the session is left (launcher and ranks)."""
+        tic = time.monotonic()
+        while time.monotonic() - tic < timeout:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return time.monotonic() - tic
+            self.proc.poll()
+            time.sleep(0.2)
+        raise AssertionError(f"ranks still running {timeout} s after: {self.err}")
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def test_chat_over_a_pipeline_equals_one_process(tmp_path, capsys, monkeypatch):
+    """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline` fed on stdin: rank 0 alone prints, the
+    transcript is one process's (greedy; the cache rolled back by /thinking, reused, reset),
+    the commands a pipeline cannot run are refused in one line each and change nothing (the
+    one-process script lacks them), and /quit ends every rank."""
+    expected = comparable(one_process_chat(CHAT_SCRIPT, capsys, monkeypatch))
+    script = list(CHAT_SCRIPT)
+    for at, command in sorted(REFUSED.items(), reverse=True):
+        script.insert(at, command.format(tmp=tmp_path))
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
+                    "--pipeline")
+    try:
+        chat.send(script + ["/quit", "never read"])
+        out, err = chat.proc.communicate(timeout=TIMEOUT)
+    finally:
+        chat.kill()
+    out, err = out.decode(), err.decode()
+    assert chat.proc.returncode == 0, err
+    assert comparable(out) == expected
+    refusals = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert refusals == [f"error: {c.split()[0]} is not available with --pipeline ("
+                        + what + " are not shared across ranks yet)"
+                        for c, what in (("/save", "prompt-cache files"),
+                                        ("/dspark", "the DSpark drafter"),
+                                        ("/image", "images (no vision tower)"))], err
+    assert not (tmp_path / "session.bin").exists()
+
+
+def test_chat_under_tensor_parallel_and_ctrl_c_ends_every_rank(capsys, monkeypatch):
+    """Tensor parallel chat: the same transcript as one process; then Ctrl-C (SIGINT to the
+    launcher's process group, as a terminal sends it) while a long prompt is being prefilled
+    ends every rank, soon, instead of leaving one waiting in a collective."""
+    script = CHAT_SCRIPT[:3] + ["/thinking on"]
+    expected = comparable(one_process_chat(script, capsys, monkeypatch))
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
+                    "--tensor-parallel")
+    try:
+        chat.send(script)
+        chat.read_until(lambda c: c.out.endswith("[thinking on]\n"))
+        assert comparable(chat.out) == expected
+        start = len(chat.err)
+        chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
+        chat.read_until(lambda c: "prefill " in c.err[start:])
+        import signal
+
+        os.killpg(chat.proc.pid, signal.SIGINT)
+        assert chat.wait_gone(30) < 30
+    finally:
+        chat.kill()

@@ -241,11 +241,14 @@ class Launched:
         self.proc.wait()
 
 
-def test_chat_over_a_pipeline_equals_one_process(tmp_path, capsys, monkeypatch):
+def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
+        tmp_path, capsys, monkeypatch):
     """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline` fed on stdin: rank 0 alone prints, the
     transcript is one process's (greedy; the cache rolled back by /thinking, reused, reset),
     the commands a pipeline cannot run are refused in one line each and change nothing (the
-    one-process script lacks them), and /quit ends every rank."""
+    one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's process group, as a
+    terminal sends it) while a long prompt is being prefilled ends every rank, soon, instead
+    of leaving one waiting in a collective. (--tensor-parallel runs the same REPL code.)"""
     expected = comparable(one_process_chat(CHAT_SCRIPT, capsys, monkeypatch))
     script = list(CHAT_SCRIPT)
     for at, command in sorted(REFUSED.items(), reverse=True):
@@ -253,34 +256,17 @@ def test_chat_over_a_pipeline_equals_one_process(tmp_path, capsys, monkeypatch):
     chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
                     "--pipeline")
     try:
-        chat.send(script + ["/quit", "never read"])
-        out, err = chat.proc.communicate(timeout=TIMEOUT)
-    finally:
-        chat.kill()
-    out, err = out.decode(), err.decode()
-    assert chat.proc.returncode == 0, err
-    assert comparable(out) == expected
-    refusals = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-    assert refusals == [f"error: {c.split()[0]} is not available with --pipeline ("
-                        + what + " are not shared across ranks yet)"
-                        for c, what in (("/save", "prompt-cache files"),
-                                        ("/dspark", "the DSpark drafter"),
-                                        ("/image", "images (no vision tower)"))], err
-    assert not (tmp_path / "session.bin").exists()
-
-
-def test_chat_under_tensor_parallel_and_ctrl_c_ends_every_rank(capsys, monkeypatch):
-    """Tensor parallel chat: the same transcript as one process; then Ctrl-C (SIGINT to the
-    launcher's process group, as a terminal sends it) while a long prompt is being prefilled
-    ends every rank, soon, instead of leaving one waiting in a collective."""
-    script = CHAT_SCRIPT[:3] + ["/thinking on"]
-    expected = comparable(one_process_chat(script, capsys, monkeypatch))
-    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
-                    "--tensor-parallel")
-    try:
         chat.send(script)
-        chat.read_until(lambda c: c.out.endswith("[thinking on]\n"))
+        chat.read_until(lambda c: c.out.endswith("[thinking on]\n") and
+                        c.err.count("error: ") == len(REFUSED))  # two pipes: either first
         assert comparable(chat.out) == expected
+        refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
+        assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
+                            (("/save", "prompt-cache files are not written or read across "
+                                       "ranks yet"),
+                             ("/dspark", "the DSpark drafter does not run across ranks yet"),
+                             ("/image", "the vision tower does not run across ranks yet"))]
+        assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
         chat.read_until(lambda c: "prefill " in c.err[start:])
@@ -290,3 +276,20 @@ def test_chat_under_tensor_parallel_and_ctrl_c_ends_every_rank(capsys, monkeypat
         assert chat.wait_gone(30) < 30
     finally:
         chat.kill()
+
+
+def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`--tensor-parallel`: the same reply as one process, a refusal naming the flag, and /quit
+    ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
+    expected = comparable(one_process_chat(["Hello"], capsys, monkeypatch))
+    done = subprocess.run(
+        ["mlx.launch", "-n", "2", "--python", sys.executable, "--", "-m", "mlx_v41.chat",
+         "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
+        input=f"Hello\n/load {tmp_path}/none.bin\n/quit\n", cwd=ROOT, capture_output=True,
+        text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert comparable(done.stdout) == expected
+    assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [
+        "error: /load is not available with --tensor-parallel (prompt-cache files are not "
+        "written or read across ranks yet)"]

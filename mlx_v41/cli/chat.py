@@ -43,9 +43,11 @@ HELP = """commands:
   /dspark [on|off]      toggle DSpark speculative decoding (needs --dspark)
   /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
 
-# What the ranks of a group cannot share yet: the command -> what it needs.
-REFUSED_ACROSS_RANKS = {"/save": "prompt-cache files", "/load": "prompt-cache files",
-                        "/image": "images (no vision tower)", "/dspark": "the DSpark drafter"}
+# The commands the ranks of a group cannot run yet, and why.
+FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
+REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS,
+                        "/image": "the vision tower does not run across ranks yet",
+                        "/dspark": "the DSpark drafter does not run across ranks yet"}
 
 
 @dataclass
@@ -70,7 +72,7 @@ def run_command(session: ChatSession, line: str, out, err=None,
         return False
     if ranks is not None and name in REFUSED_ACROSS_RANKS:
         print(f"error: {name} is not available with {ranks.switch} "
-              f"({REFUSED_ACROSS_RANKS[name]} are not shared across ranks yet)", file=err)
+              f"({REFUSED_ACROSS_RANKS[name]})", file=err)
     elif name == "/help":
         print(HELP, file=out)
     elif name == "/reset":

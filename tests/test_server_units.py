@@ -302,3 +302,12 @@ def test_console_script_and_dispatch(capsys):
     with pytest.raises(SystemExit) as exit_info:
         dispatch(["server", "--help"])
     assert exit_info.value.code == 0 and "--prompt-cache-dir" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--pipeline", "--tensor-parallel"])
+def test_distributed_flags_are_refused_in_one_line(flag, capsys):
+    """The server does not share its requests with other ranks yet: one line, before any
+    model is loaded (the folder does not exist)."""
+    assert cli.main(["--model", "/nonexistent/model", flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {flag} is not supported by the server" in err

@@ -62,7 +62,19 @@ def setup_arg_parser() -> ArgumentParser:
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default INFO)")
+    for flag in ("--pipeline", "--tensor-parallel"):  # accepted, to refuse them in one line
+        add(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def refuse_distributed(args) -> Optional[str]:
+    """The one line for --pipeline / --tensor-parallel, which the server does not run yet."""
+    for flag in ("pipeline", "tensor_parallel"):
+        if getattr(args, flag) is not None:
+            return (f"--{flag.replace('_', '-')} is not supported by the server yet (its "
+                    f"requests are not shared with the other ranks); mlx_v41.generate and "
+                    f"mlx_v41.chat run it")
+    return None
 
 
 def build_app(args):
@@ -93,6 +105,10 @@ def build_app(args):
 
 def main(argv: Optional[list] = None) -> int:
     args = setup_arg_parser().parse_args(argv)
+    refused = refuse_distributed(args)
+    if refused:
+        print(f"mlx_v41.server: error: {refused}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     import uvicorn
 

@@ -159,8 +159,8 @@ def repl(session: ChatSession, interactive: bool, out=None, stream=None,
     err = ranks.err if ranks else sys.stderr
     readline = ranks.readline if ranks else _lines(stream or sys.stdin)
     if interactive:
-        print("mlx_v41.chat: /help lists the commands; Ctrl-C stops a reply, Ctrl-D quits.",
-              file=out)
+        ctrl_c = f"Ctrl-C ends every rank ({ranks.switch})" if ranks else "Ctrl-C stops a reply"
+        print(f"mlx_v41.chat: /help lists the commands; {ctrl_c}, Ctrl-D quits.", file=out)
     while True:
         try:
             print(">> " if interactive else "", end="", file=out, flush=True)

@@ -161,7 +161,8 @@ def test_killed_rank_ends_the_others(tmp_path, split):
 # ---------------------------------------------------------------- mlx_v41.chat over the ranks
 
 CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32"]  # chunked prompts: progress on stderr
-CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Hi there", "/thinking on"]
+CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Grüße, 世界",  # UTF-8
+               "/thinking on"]
 REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 6: "/image {tmp}/cat.png"}
 
 

@@ -1,7 +1,8 @@
 """Pipeline parallel over real processes: `mlx.launch` (ring backend over localhost) runs
-tests/distributed_worker.py or mlx_v41.generate on 2-3 ranks; the logits (the last rank's)
-must equal one process's bit for bit, and the sampled text too. Failures: a rank that cannot load, mismatched weights, a rank killed
-mid-generation end every rank with one line naming the rank."""
+tests/distributed_worker.py, mlx_v41.generate or mlx_v41.chat on 2-3 ranks; the logits (the
+last rank's) must equal one process's bit for bit, and the sampled text and chat transcript
+too. Failures: a rank that cannot load, mismatched weights, a rank killed mid-generation end
+every rank with one line naming the rank; Ctrl-C in the chat ends every rank."""
 
 from __future__ import annotations
 

@@ -295,3 +295,74 @@ def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsy
     assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [
         "error: /load is not available with --tensor-parallel (prompt-cache files are not "
         "written or read across ranks yet)"]
+
+
+# ---------------------------------------------------------------- mlx_v41.server over the ranks
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of `rank` among the launcher's children (Linux: read from /proc)."""
+    tasks = Path(f"/proc/{launcher}/task").glob("*/children")  # each thread's own children
+    for child in " ".join(t.read_text() for t in tasks).split():
+        if f"MLX_RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return int(child)
+    raise AssertionError(f"no rank {rank} under the launcher")
+
+
+def _wait_for_health(server: Launched, port: int) -> None:
+    import http.client
+
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert server.proc.poll() is None, server.proc.stderr.read().decode()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_server_over_a_pipeline_equals_one_process(tmp_path):
+    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline`: rank 0 serves raw HTTP, and the
+    replies (greedy; seeded sampling with a penalty and a stop string) are one process's. A
+    client that disconnects mid-stream cancels on every rank (the next reply is still one
+    process's); logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
+    import http.client
+    import signal
+
+    from server_harness import LiveServer, post, tiny
+
+    greedy = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+              "temperature": 0}
+    sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
+               "max_tokens": 8, "stop": ["ll"]}
+    one = LiveServer(*tiny(), cache_bytes=0)
+    try:
+        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in (greedy, sampled)]
+    finally:
+        one.close()
+    port = _free_ports(1)[0]
+    server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
+                      "--port", port, "--pipeline", "--log-level", "WARNING")
+    try:
+        _wait_for_health(server, port)
+        for body, want in zip((greedy, sampled), expected):
+            status, got = post(port, "/v1/chat/completions", body)
+            assert status == 200, got
+            assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])
+            # a streamed reply whose client goes away after its first event
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("POST", "/v1/chat/completions",
+                         json.dumps({**greedy, "max_tokens": 400, "stream": True}))
+            assert conn.getresponse().read(6) == b"data: "
+            conn.close()
+        status, got = post(port, "/v1/chat/completions", {**greedy, "logprobs": True})
+        assert status == 400 and "logprobs are not available under --pipeline" in \
+            got["error"]["message"]
+        os.kill(_rank_pid(server.proc.pid, 0), signal.SIGINT)  # uvicorn's graceful stop
+        assert server.proc.wait(timeout=30) == 0, server.err  # rank 1 told, not lost
+    finally:
+        server.kill()

@@ -117,6 +117,7 @@ def main(argv: Optional[list] = None) -> int:
         return 1
     engine = app.state.engine
     if getattr(engine, "follow", None):  # a rank other than 0 of a group: no HTTP
+        logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)  # rank 0 logs requests
         return follow(engine)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)

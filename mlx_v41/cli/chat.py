@@ -3,6 +3,7 @@
     mlx_v41.chat --model demo
     mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --no-thinking
     mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --dspark --num-draft-tokens 3
+    mlx.launch -n 2 --python $(which python) -- -m mlx_v41.chat --model PATH --pipeline
 """
 
 from __future__ import annotations

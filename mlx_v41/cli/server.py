@@ -3,6 +3,7 @@
     mlx_v41.server --model demo
     mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --prompt-cache-dir ~/.cache/mlx_v41/prompts
     mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --dspark --port 8081
+    mlx.launch -n 2 --python $(which python) -- -m mlx_v41.server --model PATH --pipeline
 """
 
 from __future__ import annotations

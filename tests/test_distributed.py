@@ -1,7 +1,8 @@
 """Pipeline parallel over real processes: `mlx.launch` (ring backend over localhost) runs
-tests/distributed_worker.py or mlx_v41.generate on 2-3 ranks; the logits (the last rank's)
-must equal one process's bit for bit, and the sampled text too. Failures: a rank that cannot load, mismatched weights, a rank killed
-mid-generation end every rank with one line naming the rank."""
+tests/distributed_worker.py, mlx_v41.generate or mlx_v41.chat on 2-3 ranks; the logits (the
+last rank's) must equal one process's bit for bit, and the sampled text and chat transcript
+too. Failures: a rank that cannot load, mismatched weights, a rank killed mid-generation end
+every rank with one line naming the rank; Ctrl-C in the chat ends every rank."""
 
 from __future__ import annotations
 
@@ -156,3 +157,212 @@ def test_killed_rank_ends_the_others(tmp_path, split):
     lines = [ln for ln in err.splitlines() if "lost rank 1" in ln]
     assert len(lines) == 1 and lines[0].startswith("rank 0: lost rank 1 while"), err
     assert time.monotonic() - tic < 60
+
+
+# ---------------------------------------------------------------- mlx_v41.chat over the ranks
+
+CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32"]  # chunked prompts: progress on stderr
+CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Grüße, 世界",  # UTF-8
+               "/thinking on"]
+REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 6: "/image {tmp}/cat.png"}
+
+
+def one_process_chat(script, capsys, monkeypatch) -> str:
+    import io
+    from mlx_v41.cli.chat import main as chat_main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in script)))
+    assert chat_main(["--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS]) == 0
+    out, err = capsys.readouterr()
+    assert "error" not in err, err
+    return out
+
+
+def comparable(transcript: str) -> str:
+    """A transcript less its rates and memory sizes (timings; a rank holds a share)."""
+    import re
+
+    return re.sub(r"[\d.]+ (tokens/s|GB|MiB)", "#", transcript).rstrip("\n")
+
+
+class Launched:
+    """`mlx.launch` in a session of its own (so a Ctrl-C reaches it and every rank, as a
+    terminal's does), fed and read line by line."""
+
+    def __init__(self, n: int, *command):
+        import signal
+
+        cmd = ["mlx.launch", "-n", str(n), "--python", sys.executable, "--", *map(str, command)]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.text = {self.proc.stdout.fileno(): b"", self.proc.stderr.fileno(): b""}
+
+    def send(self, lines) -> None:
+        self.proc.stdin.write("".join(f"{line}\n" for line in lines).encode())
+        self.proc.stdin.flush()
+
+    @property
+    def out(self) -> str:
+        return self.text[self.proc.stdout.fileno()].decode(errors="replace")
+
+    @property
+    def err(self) -> str:
+        return self.text[self.proc.stderr.fileno()].decode(errors="replace")
+
+    def read_until(self, done, timeout=TIMEOUT) -> None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while not done(self):
+            assert time.monotonic() < deadline, f"timed out: {self.out!r} {self.err!r}"
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.err}"
+            for fd in select.select(list(self.text), [], [], 0.5)[0]:
+                self.text[fd] += os.read(fd, 65536)
+
+    def wait_gone(self, timeout: float) -> float:
+        """Seconds until no process of the session is left (launcher and ranks)."""
+        tic = time.monotonic()
+        while time.monotonic() - tic < timeout:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return time.monotonic() - tic
+            self.proc.poll()
+            time.sleep(0.2)
+        raise AssertionError(f"ranks still running {timeout} s after: {self.err}")
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
+        tmp_path, capsys, monkeypatch):
+    """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline` fed on stdin: rank 0 alone prints, the
+    transcript is one process's (greedy; the cache rolled back by /thinking, reused, reset),
+    the commands a pipeline cannot run are refused in one line each and change nothing (the
+    one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's process group, as a
+    terminal sends it) while a long prompt is being prefilled ends every rank, soon, instead
+    of leaving one waiting in a collective. (--tensor-parallel runs the same REPL code.)"""
+    expected = comparable(one_process_chat(CHAT_SCRIPT, capsys, monkeypatch))
+    script = list(CHAT_SCRIPT)
+    for at, command in sorted(REFUSED.items(), reverse=True):
+        script.insert(at, command.format(tmp=tmp_path))
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
+                    "--pipeline")
+    try:
+        chat.send(script)
+        chat.read_until(lambda c: c.out.endswith("[thinking on]\n") and
+                        c.err.count("error: ") == len(REFUSED))  # two pipes: either first
+        assert comparable(chat.out) == expected
+        refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
+        assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
+                            (("/save", "prompt-cache files are not written or read across "
+                                       "ranks yet"),
+                             ("/dspark", "the DSpark drafter does not run across ranks yet"),
+                             ("/image", "the vision tower does not run across ranks yet"))]
+        assert not (tmp_path / "session.bin").exists()
+        start = len(chat.err)
+        chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
+        chat.read_until(lambda c: "prefill " in c.err[start:])
+        import signal
+
+        os.killpg(chat.proc.pid, signal.SIGINT)
+        assert chat.wait_gone(30) < 30
+    finally:
+        chat.kill()
+
+
+def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`--tensor-parallel`: the same reply as one process, a refusal naming the flag, and /quit
+    ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
+    expected = comparable(one_process_chat(["Hello"], capsys, monkeypatch))
+    done = subprocess.run(
+        ["mlx.launch", "-n", "2", "--python", sys.executable, "--", "-m", "mlx_v41.chat",
+         "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
+        input=f"Hello\n/load {tmp_path}/none.bin\n/quit\n", cwd=ROOT, capture_output=True,
+        text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert comparable(done.stdout) == expected
+    assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [
+        "error: /load is not available with --tensor-parallel (prompt-cache files are not "
+        "written or read across ranks yet)"]
+
+
+# ---------------------------------------------------------------- mlx_v41.server over the ranks
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of `rank` among the launcher's children (Linux: read from /proc)."""
+    tasks = Path(f"/proc/{launcher}/task").glob("*/children")  # each thread's own children
+    for child in " ".join(t.read_text() for t in tasks).split():
+        if f"MLX_RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return int(child)
+    raise AssertionError(f"no rank {rank} under the launcher")
+
+
+def _wait_for_health(server: Launched, port: int) -> None:
+    import http.client
+
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert server.proc.poll() is None, server.proc.stderr.read().decode()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_server_over_a_pipeline_equals_one_process(tmp_path):
+    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline`: rank 0 serves raw HTTP, and the
+    replies (greedy; seeded sampling with a penalty and a stop string) are one process's. A
+    client that disconnects mid-stream cancels on every rank (the next reply is still one
+    process's); logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
+    import http.client
+    import signal
+
+    from server_harness import LiveServer, post, tiny
+
+    greedy = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+              "temperature": 0}
+    sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
+               "max_tokens": 8, "stop": ["ll"]}
+    one = LiveServer(*tiny(), cache_bytes=0)
+    try:
+        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in (greedy, sampled)]
+    finally:
+        one.close()
+    port = _free_ports(1)[0]
+    server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
+                      "--port", port, "--pipeline", "--log-level", "WARNING")
+    try:
+        _wait_for_health(server, port)
+        for body, want in zip((greedy, sampled), expected):
+            status, got = post(port, "/v1/chat/completions", body)
+            assert status == 200, got
+            assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])
+            # a streamed reply whose client goes away after its first event
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("POST", "/v1/chat/completions",
+                         json.dumps({**greedy, "max_tokens": 400, "stream": True}))
+            assert conn.getresponse().read(6) == b"data: "
+            conn.close()
+        status, got = post(port, "/v1/chat/completions", {**greedy, "logprobs": True})
+        assert status == 400 and "logprobs are not available under --pipeline" in \
+            got["error"]["message"]
+        os.kill(_rank_pid(server.proc.pid, 0), signal.SIGINT)  # uvicorn's graceful stop
+        assert server.proc.wait(timeout=30) == 0, server.err  # rank 1 told, not lost
+    finally:
+        server.kill()

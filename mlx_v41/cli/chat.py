@@ -3,6 +3,7 @@
     mlx_v41.chat --model demo
     mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --no-thinking
     mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --dspark --num-draft-tokens 3
+    mlx.launch -n 2 --python $(which python) -- -m mlx_v41.chat --model PATH --pipeline
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import os
 import select
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .args import ArgumentParser, add_model_arguments, decode_settings
 from ..checkpoint.source import load
 from ..chat.session import DEFAULT_MAX_TOKENS, ChatSession, format_stats
+from ..distributed.cli import add_distributed_arguments, distributed_loader
+from ..distributed.link import DistributedError, is_backend_error
 
 
 
@@ -40,22 +44,44 @@ HELP = """commands:
   /dspark [on|off]      toggle DSpark speculative decoding (needs --dspark)
   /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
 
+# The commands the ranks of a group cannot run yet, and why.
+FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
+REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS,
+                        "/image": "the vision tower does not run across ranks yet",
+                        "/dspark": "the DSpark drafter does not run across ranks yet"}
 
 
-def run_command(session: ChatSession, line: str, out) -> bool:
+@dataclass
+class Ranks:
+    """The REPL run by every rank of a `--pipeline` / `--tensor-parallel` group: rank 0's lines
+    reach every rank (`readline`), errors print on rank 0 only (`err`)."""
+
+    readline: Callable[[], Optional[str]]
+    err: object
+    switch: str
+    rank: int
+
+
+
+def run_command(session: ChatSession, line: str, out, err=None,
+                ranks: Optional[Ranks] = None) -> bool:
     """Carry out a /command; False means quit."""
+    err = err or sys.stderr
     name, _, arg = line.partition(" ")
     name, arg = {"q": "/quit", "r": "/reset", "h": "/help"}.get(name, name), arg.strip()
     if name in ("/quit", "/exit"):
         return False
-    if name == "/help":
+    if ranks is not None and name in REFUSED_ACROSS_RANKS:
+        print(f"error: {name} is not available with {ranks.switch} "
+              f"({REFUSED_ACROSS_RANKS[name]})", file=err)
+    elif name == "/help":
         print(HELP, file=out)
     elif name == "/reset":
         session.reset()
         print("[new conversation]", file=out)
     elif name in ("/save", "/load", "/image") and not arg:
         print(f"error: {name} needs a {'file path' if name != '/image' else 'path or URL'}",
-              file=sys.stderr)
+              file=err)
     elif name == "/save":
         session.save(Path(arg).expanduser())
         print(f"[saved to {arg}]", file=out)
@@ -74,7 +100,7 @@ def run_command(session: ChatSession, line: str, out) -> bool:
     elif name == "/dspark" and arg in ("", "on", "off"):
         switch_dspark(session, arg, out)
     else:
-        print(f"error: unknown command {line!r} (/help lists them)", file=sys.stderr)
+        print(f"error: unknown command {line!r} (/help lists them)", file=err)
     return True
 
 
@@ -125,13 +151,17 @@ def _lines(stream):
 
 
 
-def repl(session: ChatSession, interactive: bool, out=None, stream=None) -> int:
-    """Read messages and /commands until /quit, end of input or Ctrl-C at the prompt."""
+def repl(session: ChatSession, interactive: bool, out=None, stream=None,
+         ranks: Optional[Ranks] = None) -> int:
+    """Read messages and /commands until /quit, end of input or Ctrl-C at the prompt. Under
+    `ranks` every rank runs it on rank 0's lines, and Ctrl-C during a reply is raised (it ends
+    every rank: the others are inside the reply's collectives)."""
     out = out or sys.stdout
-    readline = _lines(stream or sys.stdin)
+    err = ranks.err if ranks else sys.stderr
+    readline = ranks.readline if ranks else _lines(stream or sys.stdin)
     if interactive:
-        print("mlx_v41.chat: /help lists the commands; Ctrl-C stops a reply, Ctrl-D quits.",
-              file=out)
+        ctrl_c = f"Ctrl-C ends every rank ({ranks.switch})" if ranks else "Ctrl-C stops a reply"
+        print(f"mlx_v41.chat: /help lists the commands; {ctrl_c}, Ctrl-D quits.", file=out)
     while True:
         try:
             print(">> " if interactive else "", end="", file=out, flush=True)
@@ -146,17 +176,19 @@ def repl(session: ChatSession, interactive: bool, out=None, stream=None) -> int:
             continue
         try:
             if line.startswith("/") or line in ("q", "r", "h"):
-                if not run_command(session, line, out):
+                if not run_command(session, line, out, err, ranks):
                     return 0
                 continue
             for response in session.reply(line):
                 print(response.text, end="", flush=True, file=out)
             print(file=out)
         except KeyboardInterrupt:
+            if ranks:
+                raise
             session.interrupt()
             print("\n[interrupted]", file=out, flush=True)
         except (ValueError, OSError) as e:  # bad command argument, prompt too long, bad file
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {e}", file=err, flush=True)
 
 
 
@@ -164,7 +196,22 @@ def setup_arg_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mlx_v41.chat",
                             description="Chat with DeepSeek V4.1 Flash (multi-turn, cached).")
     add_model_arguments(parser, DEFAULT_MAX_TOKENS, DEFAULT_SEED)
+    add_distributed_arguments(parser)
     return parser
+
+
+
+def group_ranks(args, model) -> Optional[Ranks]:
+    """`Ranks` for a model loaded over a group (None for one process)."""
+    link = getattr(model, "link", None)
+    if link is None:
+        return None
+    local = _lines(sys.stdin) if link.rank == 0 else None
+    from ..distributed.lines import shared_readline
+
+    return Ranks(shared_readline(link, local),
+                 sys.stderr if link.rank == 0 else open(os.devnull, "w"),
+                 "--pipeline" if args.pipeline else "--tensor-parallel", link.rank)
 
 
 
@@ -176,17 +223,33 @@ def main(argv=None) -> int:
         mx.random.seed(args.seed)
         if args.model == "demo":
             print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-        model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
-                                head_dtype=args.head_dtype)
+        loader = distributed_loader(args) or load
+        model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
+                                  head_dtype=args.head_dtype)
+        ranks = group_ranks(args, model)
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt,
                               thinking=args.thinking, reasoning_effort=args.reasoning_effort,
                               max_tokens=args.max_tokens,
                               prefill_step_size=args.prefill_step_size,
-                              show_progress=True, **decode_settings(args))
+                              show_progress=ranks is None or ranks.rank == 0,
+                              **decode_settings(args))
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return repl(session, interactive=sys.stdin.isatty())
+    try:
+        return repl(session, interactive=sys.stdin.isatty(), ranks=ranks)
+    except KeyboardInterrupt:  # only under a group: the other ranks end as this one leaves
+        print(f"\n[interrupted: Ctrl-C ends every rank under {ranks.switch}]", file=ranks.err,
+              flush=True)
+        return 130
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a collective evaluated by the decode loop lost a rank
+        if not is_backend_error(e):
+            raise
+        print(f"error: rank {ranks.rank}: lost a rank during the reply ({e})", file=sys.stderr)
+        return 1

@@ -3,6 +3,7 @@
     mlx_v41.server --model demo
     mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --prompt-cache-dir ~/.cache/mlx_v41/prompts
     mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --dspark --port 8081
+    mlx.launch -n 2 --python $(which python) -- -m mlx_v41.server --model PATH --pipeline
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from typing import Optional
 
 from .args import ArgumentParser, _number, add_model_arguments
+from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..server.images import DEFAULT_MAX_IMAGE_BYTES
 from ..server.routes import DEFAULT_MAX_TOKENS
 
@@ -62,6 +64,7 @@ def setup_arg_parser() -> ArgumentParser:
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default INFO)")
+    add_distributed_arguments(parser)
     return parser
 
 
@@ -74,12 +77,21 @@ def build_app(args):
     from ..server.prompt_store import PromptCacheStore
     from ..server.routes import ServerConfig, create_app
 
-    model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
-                            head_dtype=args.head_dtype)
+    group = distributed_loader(args)
+    if group and args.prompt_cache_dir:
+        raise ValueError("--prompt-cache-dir is not supported across ranks yet")
+    model, tokenizer = (group or load)(args.model, prefill_mode=args.prefill_mode,
+                                       dspark=args.dspark, head_dtype=args.head_dtype)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir)
-    engine = Engine(model, tokenizer, store, prefill_step_size=args.prefill_step_size,
+    kind = Engine
+    if group:
+        from ..server.ranks import Follower, GroupEngine
+
+        kind = GroupEngine if model.link.rank == 0 else Follower
+    store = PromptCacheStore(model, 0 if group else args.prompt_cache_bytes,
+                             args.prompt_cache_dir)
+    engine = kind(model, tokenizer, store, prefill_step_size=args.prefill_step_size,
                     draft="dspark" if args.dspark else None,
                     num_draft_tokens=args.num_draft_tokens,
                     draft_confidence=args.draft_confidence,
@@ -97,18 +109,34 @@ def main(argv: Optional[list] = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     import uvicorn
 
-    from ..cache.layer import CacheError
-    from ..checkpoint.safetensors_io import CheckpointError
-    from ..model.config import ConfigError
+    from ..distributed.link import DistributedError
 
     try:
         app = build_app(args)
-    except (CheckpointError, ConfigError, CacheError, OSError) as e:
+    except (ValueError, OSError, DistributedError) as e:  # CheckpointError, ConfigError, ...
         print(f"mlx_v41.server: error: {e}", file=sys.stderr)
         return 1
+    engine = app.state.engine
+    if getattr(engine, "follow", None):  # a rank other than 0 of a group: no HTTP
+        logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)  # rank 0 logs requests
+        return follow(engine)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     print("mlx_v41.server: shut down", file=sys.stderr)
+    return 0
+
+
+def follow(engine) -> int:
+    """Run rank 0's requests until its server stops (or it is lost: one line)."""
+    from ..distributed.link import DistributedError
+
+    try:
+        engine.follow()
+    except DistributedError as e:
+        print(f"mlx_v41.server: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -45,6 +45,7 @@ class Settings:
     stops: list = field(default_factory=list)
     logprobs: Optional[int] = None
     processors: list = field(default_factory=list)
+    processor_fields: dict = field(default_factory=dict)  # what `processors` were made of
 
 
 @dataclass
@@ -195,11 +196,19 @@ class Engine:
             self._ready.set()
         while (job := self._queue.get()) is not None:
             self._serve(job)
+        self._stopped()
         self._flush()
         # This thread's MLX streams end with it (MLX aborts at exit on streams of a thread
         # that is gone).
         mx.synchronize()
         mx.clear_streams()
+
+    def _stopped(self) -> None:
+        """The worker's last call before it ends (a group engine tells the other ranks)."""
+
+    def _is_cancelled(self, job: Job) -> bool:
+        """Checked after every token (a group engine shares rank 0's answer)."""
+        return job.cancelled.is_set()
 
     def _serve(self, job: Job) -> None:
         try:
@@ -267,7 +276,7 @@ class Engine:
                 reason = response.finish_reason or reason
                 if is_stopped:
                     return tokens, "stop", ""
-                if job.cancelled.is_set():
+                if self._is_cancelled(job):
                     return tokens, "cancelled", ""
         finally:
             responses.close()

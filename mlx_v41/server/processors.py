@@ -11,16 +11,26 @@ from ..chat import format as cf
 from .protocol import RequestError
 
 
-def request_processors(body, tokenizer, vocab: int, allow_calls: bool) -> list:
+def processor_fields(body, vocab: int, allow_calls: bool) -> dict:
+    """What a request's processors are made of, as JSON values (shared with other ranks)."""
+    bias = _logit_bias(body.logit_bias, vocab)
+    return {"logit_bias": None if bias is None else [[k, v] for k, v in bias.items()],
+            "repetition_penalty": body.repetition_penalty,
+            "presence_penalty": body.presence_penalty or None,
+            "frequency_penalty": body.frequency_penalty or None, "allow_calls": allow_calls}
+
+
+def processors_from(fields: dict, tokenizer) -> list:
     from mlx_lm.sample_utils import make_logits_processors
 
+    bias = fields["logit_bias"]
     processors = make_logits_processors(
-        logit_bias=_logit_bias(body.logit_bias, vocab),
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty or None,
-        frequency_penalty=body.frequency_penalty or None)
+        logit_bias=None if bias is None else {int(k): v for k, v in bias},
+        repetition_penalty=fields["repetition_penalty"],
+        presence_penalty=fields["presence_penalty"],
+        frequency_penalty=fields["frequency_penalty"])
     dsml = tokenizer.convert_tokens_to_ids(cf.DSML)
-    if not allow_calls and isinstance(dsml, int):
+    if not fields["allow_calls"] and isinstance(dsml, int):
         processors.append(ban_token(dsml))
     return processors
 

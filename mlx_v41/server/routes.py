@@ -25,7 +25,7 @@ from ..model.vision.prompt import ImagePrompt, prepare_prompt
 from .engine import Engine, EngineBusy, EngineClosed, Settings, Token
 from .images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReader
 from .messages import allows_tool_calls, chat_messages, thinking_mode
-from .processors import request_processors
+from .processors import processor_fields, processors_from
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 from .reply_parser import Reply, ReplyParser, parse_reply
 from . import responses as out
@@ -207,8 +207,8 @@ def _submit(app: FastAPI, body, prompt: ImagePrompt, allow_calls: bool):
 
 def _settings(app: FastAPI, body, prompt: list, allow_calls: bool) -> Settings:
     config, engine = app.state.config, app.state.engine
-    processors = request_processors(body, engine.tokenizer,
-                                    engine.model.args.text_config.vocab_size, allow_calls)
+    fields = processor_fields(body, engine.model.args.text_config.vocab_size, allow_calls)
+    processors = processors_from(fields, engine.tokenizer)
     if app.state.logits_processors is not None:
         processors += list(app.state.logits_processors(body, prompt))
     pick = lambda value, default: default if value is None else value  # noqa: E731
@@ -216,7 +216,7 @@ def _settings(app: FastAPI, body, prompt: list, allow_calls: bool) -> Settings:
                     temp=pick(body.temperature, config.temp), top_p=pick(body.top_p, config.top_p),
                     min_p=pick(body.min_p, config.min_p), top_k=pick(body.top_k, config.top_k),
                     seed=body.seed, stops=body.stops(), logprobs=body.logprob_count(),
-                    processors=processors)
+                    processors=processors, processor_fields=fields)
 
 
 def _sse(events, job) -> StreamingResponse:

@@ -1,10 +1,10 @@
 """One rank of the distributed tests (run under `mlx.launch`, see test_distributed.py), and the
 calls it makes, which the tests repeat in one process for the expected values.
 
-    python tests/distributed_worker.py CHECKPOINT SPLIT OUT [--kill-rank R]
+    python tests/distributed_worker.py CHECKPOINT SPLIT OUT [--kill-rank R] [--image PNG]
 
 SPLIT "tensor" runs tensor parallel (and the `grow` greedy decode too); otherwise a pipeline
-split ("auto", "10,26").
+split ("auto", "10,26"). With --image, only the image prompt's scenario (`image_scenario`).
 """
 
 from __future__ import annotations
@@ -58,6 +58,47 @@ def scenario(load, checkpoint: Path, on_step=None) -> dict:
     return {k: np.array(v) for k, v in out.items()}
 
 
+IMAGE_CHUNK = 7  # puts chunk boundaries inside the image span
+
+
+def image_scenario(model, images) -> dict:
+    """Logits of an image prompt (the vision golden's ids, one placeholder): a full prefill
+    (every row), a chunked CED prefill and greedy decode steps after it; and the bytes rank 0
+    sends for the full prefill with and without the images."""
+    from mlx_v41.distributed.prompt import prepare_shared_prompt
+    from vision_fixtures import prompt_before_expansion
+
+    prompt = prepare_shared_prompt(model, prompt_before_expansion(), images)
+    ids = mx.array([prompt.ids], mx.int32)
+    link = getattr(model, "link", None)
+    out, sent = {}, {}
+    for name, given in (("image_full_all", prompt.inputs(model)), ("text_full_all", None)):
+        before = link.sent if link else 0
+        out[name] = model(ids, model.make_cache(), images=given)
+        mx.eval(out[name])
+        sent[name] = (link.sent if link else 0) - before
+    cache = model.make_cache()
+    logits = model.prefill(ids, cache, step_size=IMAGE_CHUNK, images=prompt.inputs(model))
+    out["image_chunked_last"] = logits
+    steps = []
+    for _ in range(DECODE_STEPS // 2):
+        token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        token = model.agree_on_token(token) if link else token
+        logits = model(token.astype(mx.int32), cache)
+        steps.append(logits)
+    out["image_decode"] = mx.concatenate(steps, axis=1)
+    mx.eval(out)
+    values = {k: np.array(v) for k, v in out.items()}
+    values["rows"] = np.array(len(prompt.ids))
+    return values, sent
+
+
+def generate_args(checkpoint, images) -> list:
+    """`mlx_v41.generate` with images (seeded sampling); the test runs it in one process."""
+    return ["--model", str(checkpoint), "-p", "Which is red?", "--image", *map(str, images),
+            "-m", "6", "--temp", "0.8", "--seed", "3"]
+
+
 def grow_greedy(model) -> np.ndarray:
     """Greedy tokens after the `grow` golden's 5-token prompt."""
     ids = mx.load(str(GROW_PROMPT))["prompt_ids"][None].astype(mx.int32)
@@ -80,8 +121,11 @@ def main() -> int:
                         help="this rank kills itself at decode step 2")
     parser.add_argument("--wide", type=Path, default=None,
                         help="tensor parallel: also run the scenario on this checkpoint")
+    parser.add_argument("--image", action="append", default=None,
+                        help="run the image prompt scenario only (repeatable)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(1, str(Path(__file__).resolve().parent))
     from mlx.utils import tree_flatten
     from mlx_v41.distributed.link import DistributedError
     from mlx_v41.distributed.startup import start_pipeline, start_tensor_parallel
@@ -92,18 +136,39 @@ def main() -> int:
 
     tensor = args.split == "tensor"
 
-    def load(mode):
+    def load(mode, **options):
         if tensor:
             models[mode], _ = start_tensor_parallel(checkpoint, prefill_mode=mode, timeout=20)
         else:
             models[mode], _ = start_pipeline(checkpoint, split=args.split, prefill_mode=mode,
-                                             timeout=20)
+                                             timeout=20, **options)
         return models[mode]
 
     def on_step(step):
         if rank == args.kill_rank and step == 2:
             os.kill(os.getpid(), 9)
 
+    if args.image is not None:
+        try:
+            model = load("ced", vision=True)
+            values, sent = image_scenario(model, args.image)
+        except DistributedError as e:
+            print(e, file=sys.stderr, flush=True)
+            return 1
+        import contextlib
+        import io
+        from mlx_v41.cli.generate import main as generate_main
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            code = generate_main(generate_args(checkpoint, args.image) + ["--pipeline",
+                                                                         args.split])
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {"ranges": model.ranges, "sent": sent, "vision": "vision" in model,
+                  "generate": [code, text.getvalue()]}
+        (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+        if rank == model.link.size - 1:
+            np.savez(args.out / "logits.npz", **values)
+        return 0
     try:
         values = scenario(load, checkpoint, on_step)
         model = models["ced"]

@@ -88,6 +88,33 @@ def test_two_ranks_exact_and_memory(tmp_path):
     assert reduced == 4
 
 
+def test_image_prompt_over_a_pipeline_equals_one_process(tmp_path, capsys):
+    """The vision golden's checkpoint (small spans) split at layer 3: the tower on rank 0
+    alone, Engram layer 5, the CED boundary (7) and the halo on rank 1. An image prompt's
+    logits (full prefill, chunked CED prefill with chunk boundaries inside the span, decode
+    steps) equal one process's bit for bit, and `generate --pipeline --image` prints the
+    one-process text. Rank 0 sends the image mask with the rows: one byte per position."""
+    from distributed_worker import generate_args, image_scenario
+    from vision_fixtures import SMALL_MIN_PIXELS, twin_images, vision_checkpoint
+
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
+    images = twin_images(tmp_path)  # the prompt has two placeholders
+    result = launch(2, WORKER, folder, "3", tmp_path / "out", "--image", images[0], "--image",
+                    images[1])
+    assert (tmp_path / "out" / "logits.npz").is_file(), result.stdout + result.stderr
+    reports = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["ranges"] == [[0, 3], [3, 12]]
+    assert [r["vision"] for r in reports] == [True, False]  # the tower on rank 0 only
+    expected, _ = image_scenario(load_model(folder, dspark=False), images)
+    check_exact(tmp_path / "out", expected)
+    sent = reports[0]["sent"]  # one crossing per full prefill: the mask's bytes more
+    assert sent["image_full_all"] - sent["text_full_all"] == int(expected["rows"]), sent
+    assert generate_main([str(a) for a in generate_args(folder, images)]) == 0
+    one = capsys.readouterr().out.split("=" * 10)[1]
+    code, text = reports[0]["generate"]
+    assert code == 0 and text.split("=" * 10)[1] == one, text
+
+
 def test_generate_cli_pipeline_matches_one_process(tmp_path, capsys):
     """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7`: rank 0 alone prints, and the
     sampled text (temperature 0.8, seed 3) is the one-process text."""

@@ -28,7 +28,7 @@ from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_pro
 from ..generation.api import PrefillProgress
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..distributed.link import DistributedError, is_backend_error
-from ..model.vision.prompt import prepare_prompt
+from ..distributed.prompt import prepare_shared_prompt
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -100,7 +100,7 @@ def run(args) -> int:
 
 def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
     """Prefill (reusing a prompt-cache file), then stream the reply to stdout."""
-    prompt = prepare_prompt(model, prompt_tokens(args, tokenizer), args.image)
+    prompt = prepare_shared_prompt(model, prompt_tokens(args, tokenizer), args.image)
     tokens, records = prompt.ids, prompt.records()
     path = Path(args.prompt_cache_file) if args.prompt_cache_file else None
     state = _cached_prefix(path, model, tokens, records) if path and path.exists() else \

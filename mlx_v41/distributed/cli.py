@@ -37,6 +37,9 @@ def distributed_loader(args):
         if options.get("dspark"):
             raise ValueError(f"{switch} does not run the DSpark drafter yet (drop --dspark)")
         options.pop("dspark", None)
+        # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the
+        # server refuse images across ranks).
+        options["vision"] = bool(getattr(args, "image", None)) and bool(args.pipeline)
         if args.pipeline:
             model, tokenizer = start_pipeline(path, split=args.pipeline,
                                               timeout=args.distributed_timeout, **options)

@@ -1,7 +1,10 @@
 """Pipeline parallel inference: each rank holds a contiguous range of layers and runs the same
 calls; where the layers pass from one rank to the next, the residual streams, `pre` and exactly
 the shared state the later layers read (new packed rows and index keys of earlier kv owners, top-k
-selections, candidate pools; `split.crossing`) are sent. Layers of other ranks are
+selections, candidate pools; `split.crossing`) are sent, with the image mask of the call's
+positions (one byte each; None without images), which the later layers' MoE routers (`bias_vl`)
+and Engram read: the vision tower runs on rank 0 alone, which merges its rows into the
+embeddings, and the later ranks are called without images. Layers of other ranks are
 `RemoteBlock`s, and the rows they would compute are *ghosts*: arrays of the right batch and
 row count with an empty feature axis, so the prefill strategies (`model/prefill.py`) run
 unchanged on every rank. Later ranks keep a mirror of the kv owners they read
@@ -21,6 +24,7 @@ from ..cache.layer import CacheError, CompressedKV, LayerCache
 from ..model.engram import engram_rows
 from ..model.model import Block, Model
 from ..model.prefill import Run, run_forward
+from ..model.vision.prompt import delimiters
 from .link import Link
 from .split import SplitError, balanced_split, crossing, parse_split
 
@@ -50,6 +54,19 @@ class Stage:
         self.hashes = any(self.owns(e) for e in cfg.engram_layer_ids)
         self.ratios = cfg.compress_ratios
         self.delivered, self.start = {}, 0
+        self.chunk, self.hashing, self.masks = None, None, []
+
+    def begin_chunk(self, state, hashing=None) -> None:
+        """A chunk's state on a later rank: its image mask arrives with its rows; `hashing`
+        (Engram rows of the chunk, given the mask) runs then."""
+        self.chunk, self.hashing = state, hashing
+
+    def call_mask(self) -> Optional[mx.array]:
+        """A later rank's image mask of the whole call so far, from its chunks' (None: none)."""
+        if all(m is None for _, m in self.masks):
+            return None
+        return mx.concatenate([mx.zeros((1, n), mx.bool_) if m is None else m
+                               for n, m in self.masks], axis=1)
 
     def owns(self, slot: int) -> bool:
         return self.owner[slot] == self.rank
@@ -65,6 +82,7 @@ class Stage:
     def begin(self, start: int) -> None:
         """A new call at position `start`: every mirror holds the rows of `start` tokens."""
         self.delivered, self.start = {}, start
+        self.chunk, self.hashing, self.masks = None, None, []
 
     def cross(self, slot: int, streams, pre, state):
         """Hand the rows entering `slot` from the rank holding them to the rank owning it."""
@@ -90,12 +108,19 @@ class Stage:
         arrays += [state.shared[k].selections.get(t) for k, t in plan.selections]
         arrays += [None if state.shared[k].pool is None else state.shared[k].pool.astype(mx.uint8)
                    for k in plan.pools]
+        arrays.append(None if state.image_mask is None else state.image_mask.astype(mx.uint8))
         self.link.send_arrays(arrays, dst)
 
     def _receive(self, plan, state, src: int):
-        count = 2 + 2 * len(plan.owners) + len(plan.selections) + len(plan.pools)
+        count = 3 + 2 * len(plan.owners) + len(plan.selections) + len(plan.pools)
         arrays = self.link.recv_arrays(count, src)
-        streams, pre, rest = arrays[0], arrays[1], arrays[2:]
+        streams, pre, rest = arrays[0], arrays[1], arrays[2:-1]
+        state.image_mask = None if arrays[-1] is None else arrays[-1].astype(mx.bool_)
+        if state is self.chunk:
+            self.masks.append((state.end - state.start, state.image_mask))
+            if self.hashing is not None:
+                state.engram_rows = self.hashing(state.image_mask)
+            self.chunk, self.hashing = None, None
         for i, owner in enumerate(plan.owners):
             kv, ik = rest[2 * i], rest[2 * i + 1]
             if kv is not None:
@@ -166,24 +191,43 @@ class RemoteCache(LayerCache):
 
 
 class PipelineRun(Run):
-    """`Run` on one stage: embeddings on rank 0, Engram rows where its layers are, the rows
-    entering the first decoder layer handed to its rank (its compressor reads them)."""
+    """`Run` on one stage: embeddings (and the image rows) on rank 0, Engram rows where its
+    layers are (on a later rank once the chunk's image mask arrived), the rows entering the
+    first decoder layer handed to its rank (its compressor reads them)."""
 
     def __init__(self, model, cache, start, *args):
         super().__init__(model, cache, start, *args)
         self.stage = model.stage
         self.stage.begin(start)
+        self._mask = None
+
+    @property
+    def image_mask(self):
+        """The call's image mask: rank 0's own; a later rank's from its chunks' rows."""
+        return self._mask if self.stage.first else self.stage.call_mask()
+
+    @image_mask.setter
+    def image_mask(self, value) -> None:
+        self._mask = value
 
     def encode(self, chunk, start: int):
-        (ids, embeddings, _), text, stage = chunk, self.text, self.stage   # no images here
+        (ids, embeddings, images), text, stage = chunk, self.text, self.stage
         state = self.state(start, start + ids.shape[1])
-        if stage.hashes:
-            state.engram_rows = engram_rows(self.model.engram_hasher,
-                                            self.model.cfg.engram_layer_ids, ids, self.cache)
+
+        def hashing(mask):
+            return engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids, ids,
+                               self.cache, mask)
+
         if stage.first:
+            state.image_mask = None if images is None else images.mask()
+            if stage.hashes:
+                state.engram_rows = hashing(state.image_mask)
             x = text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
+            if images is not None:
+                x = images.merge(x, delimiters(self.model))
             streams, pre = text.residual_input(x)
         else:
+            stage.begin_chunk(state, hashing if stage.hashes else None)
             streams, pre = ghost(ids.shape[0], ids.shape[1], text.hc_mult)
         streams, pre = text.encoder_stack(streams, pre, state, self.cache)
         if text.decoder_start < len(text.layers):
@@ -205,9 +249,8 @@ class PipelineModel(Model):
         if options.get("dspark"):
             raise SplitError("--pipeline does not run the DSpark drafter yet; load it with "
                              "dspark=False (and without --dspark)")
-        if options.get("vision"):
-            raise SplitError("--pipeline does not run the vision tower yet; load it with "
-                             "vision=False (and without --image)")
+        # The vision tower (vision.*, aligner.*, image_*) lives on rank 0, with the embedding.
+        options["vision"] = bool(options.get("vision")) and link.rank == 0
         super().__init__(args, **options)
         n = self.cfg.num_hidden_layers
         ranges = parse_split(split, n, link.size) if split not in (None, "auto") \
@@ -249,6 +292,10 @@ class PipelineModel(Model):
                 teacher=None, capture=None, progress=None, images=None):
         if taps or teacher is not None:
             raise ValueError("a pipeline forward has no taps or teacher forcing")
+        if images is not None and not self.stage.first:
+            raise ValueError(f"rank {self.stage.rank} of a pipeline was given images: only rank "
+                             "0 runs the vision tower; call the others with images=None (the "
+                             "image mask reaches them with the rows)")
         cache = self.make_cache() if cache is None else cache
         out = run_forward(self, ids, cache, last_only=last_only, step_size=step_size,
                           embeddings=input_embeddings, taps=(), teacher=None, capture=capture,
@@ -275,10 +322,11 @@ class PipelineModel(Model):
 
 
 def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
-    """This rank's `PipelineModel` from its local copy of the folder (and the tokenizer)."""
+    """This rank's `PipelineModel` from its local copy of the folder (and the tokenizer);
+    vision=True loads the tower on rank 0."""
     from ..checkpoint.source import load
 
     options.setdefault("dspark", False)
-    options.setdefault("vision", False)
+    options.setdefault("vision", False)  # the tower is asked for (rank 0 holds it)
     return load(path, build=lambda args, **kw: PipelineModel(args, link, split, **kw),
                 **options)

@@ -294,7 +294,7 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
                             (("/save", "prompt-cache files are not written or read across "
                                        "ranks yet"),
                              ("/dspark", "the DSpark drafter does not run across ranks yet"),
-                             ("/image", "the vision tower does not run across ranks yet"))]
+                             ("/image", "the chat does not share images across ranks yet"))]
         assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32

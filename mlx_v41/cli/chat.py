@@ -47,7 +47,7 @@ HELP = """commands:
 # The commands the ranks of a group cannot run yet, and why.
 FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
 REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS,
-                        "/image": "the vision tower does not run across ranks yet",
+                        "/image": "the chat does not share images across ranks yet",
                         "/dspark": "the DSpark drafter does not run across ranks yet"}
 
 

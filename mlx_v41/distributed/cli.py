@@ -20,9 +20,10 @@ def add_distributed_arguments(parser) -> None:
                         help="seconds to wait for the other ranks at startup (default 900)")
 
 
-def distributed_loader(args):
+def distributed_loader(args, drafts: bool = False):
     """A `load`-like function for args.pipeline or args.tensor_parallel (None: neither);
-    silences stdout on ranks other than 0."""
+    silences stdout on ranks other than 0. `drafts`: the caller runs greedy DSpark across a
+    pipeline (`mlx_v41.generate`); the others refuse `--dspark`."""
     from .startup import start_pipeline, start_tensor_parallel
 
     switch = "--pipeline" if args.pipeline else "--tensor-parallel"
@@ -34,9 +35,11 @@ def distributed_loader(args):
         raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
-        if options.get("dspark"):
+        drafting = drafts and bool(args.pipeline)
+        if options.get("dspark") and not drafting:
             raise ValueError(f"{switch} does not run the DSpark drafter yet (drop --dspark)")
-        options.pop("dspark", None)
+        if not drafting:
+            options.pop("dspark", None)
         # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the
         # server refuse images across ranks).
         options["vision"] = bool(getattr(args, "image", None)) and bool(args.pipeline)

@@ -11,6 +11,9 @@ unchanged on every rank. Later ranks keep a mirror of the kv owners they read
 (`MirrorKV`). Only the last rank holds logits (the others: zeros); it samples, and its token
 reaches every rank by `all_sum` of one int32 (`agree_on_token`; the same seed on every rank, so
 the random keys advance alike). Exact: every layer runs the ops it runs in one process.
+With the DSpark drafter (greedy), the drafter is the last rank's: the other ranks send it the
+taps of the target layers they run (`write_draft_rings`), and its drafts and acceptance reach
+every rank as a few int32s (`agree_on_ints`), so every rank verifies and trims alike.
 """
 
 from __future__ import annotations
@@ -244,11 +247,9 @@ class PipelineModel(Model):
     build=...)`); calls and caches as `Model`'s, run by every rank together."""
 
     partial = True  # the loaders skip other ranks' tensors
+    samples_drafts = False  # DSpark across ranks: greedy only (sampled acceptance not checked)
 
     def __init__(self, args, link: Link, split: Optional[str] = None, **options):
-        if options.get("dspark"):
-            raise SplitError("--pipeline does not run the DSpark drafter yet; load it with "
-                             "dspark=False (and without --dspark)")
         # The vision tower (vision.*, aligner.*, image_*) lives on rank 0, with the embedding.
         options["vision"] = bool(options.get("vision")) and link.rank == 0
         super().__init__(args, **options)
@@ -257,6 +258,7 @@ class PipelineModel(Model):
             else balanced_split(self, link.size)
         self.ranges = ranges
         self.stage = Stage(link, ranges, self.roles, self.cfg)
+        self._drafting = bool(options.get("dspark"))
         self._prune()
 
     @property
@@ -273,11 +275,45 @@ class PipelineModel(Model):
                 # key stays the one a single process holds after loading (same samples).
                 text.layers[i].__class__ = ReceivingBlock
                 text.layers[i].stage = stage
-        if not stage.first:
+        if not (stage.first or (stage.last and self._drafting)):  # the drafter embeds too
             text.pop("embed_tokens")
         if not stage.last:
             text.norm = nn.Identity()
             self.pop("lm_head")
+            if self._drafting:
+                self.pop("dspark")
+
+    @property
+    def drafting(self) -> bool:
+        return self._drafting
+
+    @property
+    def drafts_here(self) -> bool:
+        return self._drafting and self.stage.last
+
+    def write_draft_rings(self, cache: list, taps: dict, end: int) -> None:
+        """Every rank sends the taps of the target layers it runs to the last rank, which
+        writes the drafter's rings (the other ranks' ring slots only keep the offsets)."""
+        stage, last = self.stage, self.link.size - 1
+        layers = self.cfg.dspark_target_layer_ids
+        for rank in range(last):
+            mine = [layer for layer in layers if stage.owner[layer] == rank]
+            if not mine:
+                continue
+            if stage.rank == rank:
+                self.link.send_arrays([taps[layer] for layer in mine], last)
+            elif stage.last:
+                taps = dict(taps)
+                taps.update(zip(mine, self.link.recv_arrays(len(mine), rank)))
+        if stage.last:
+            super().write_draft_rings(cache, taps, end)
+
+    def agree_on_ints(self, values: list, size: int) -> list:
+        """The last rank's ints (at most `size`) on every rank: one all_sum of size + 1 int32s."""
+        mine = [len(values)] + list(values) + [0] * (size - len(values)) if self.stage.last \
+            else [0] * (size + 1)
+        agreed = self.link.all_sum(mx.array(mine, mx.int32), "sharing the drafts").tolist()
+        return agreed[1:1 + agreed[0]]
 
     def make_cache(self) -> list:
         cfg, stage = self.cfg, self.stage
@@ -285,7 +321,10 @@ class PipelineModel(Model):
                            role.engram_index is not None) if stage.owns(i) else
                 RemoteCache(cfg.sliding_window, role.ratio, i in stage.mirrors,
                             role.engram_index is not None)
-                for i, role in enumerate(self.roles[:cfg.num_hidden_layers])]
+                for i, role in enumerate(self.roles[:cfg.num_hidden_layers])] + \
+            [LayerCache(cfg.sliding_window + 1) if stage.last else
+             RemoteCache(cfg.sliding_window + 1, 0, False, False)
+             for _ in range(cfg.num_nextn_predict_layers if self._drafting else 0)]
 
     def forward(self, ids, cache: Optional[list] = None, *, last_only: bool = False,
                 step_size: Optional[int] = None, input_embeddings=None, taps: tuple = (),
@@ -326,7 +365,7 @@ def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
     vision=True loads the tower on rank 0."""
     from ..checkpoint.source import load
 
-    options.setdefault("dspark", False)
+    options.setdefault("dspark", False)  # True: the drafter on the last rank
     options.setdefault("vision", False)  # the tower is asked for (rank 0 holds it)
     return load(path, build=lambda args, **kw: PipelineModel(args, link, split, **kw),
                 **options)

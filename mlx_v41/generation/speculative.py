@@ -62,7 +62,7 @@ class DraftStats:
 
 def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
     """The settings speculative decoding runs with, or a ValueError naming what is missing."""
-    if "dspark" not in model:
+    if not model.drafting:
         raise ValueError("draft='dspark' needs the DSpark drafter: this model was loaded "
                          "without it (dspark=False, or a checkpoint without the mtp.* "
                          "tensors; dspark=True names what is missing)")
@@ -74,6 +74,9 @@ def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
     if not isinstance(sampler, Sampling):
         raise ValueError("draft='dspark' samples exactly only with known settings: pass "
                          "sampler=mlx_v41.Sampling(temp, top_p, min_p, top_k)")
+    if sampler.temp != 0 and not model.samples_drafts:
+        raise ValueError("draft='dspark' across ranks (--pipeline) decodes greedily only: "
+                         f"temp must be 0, got {sampler.temp}")
     return sampler
 
 
@@ -92,20 +95,27 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
     if logits.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence per cache: logits have batch "
                          f"{logits.shape[0]} (run each sequence with its own cache)")
-    drafter = model.dspark if drafter is None else drafter
+    if drafter is None and not model.drafting:
+        raise ValueError("speculative decoding needs the DSpark drafter: this model was "
+                         "loaded without it (dspark=False)")
+    if drafter is None and model.drafts_here:
+        drafter = model.dspark
     stats = stats if stats is not None else DraftStats()
     limit = model.cfg.max_position_embeddings
     shape = _Shaper(logits_processors, history)
     logprobs = _normalise(shape(logits[0, -1:], []))[0]
-    anchor = _draw(sampling, logprobs)
+    anchor = model.agree_on_ints([_draw(sampling, logprobs)], 1)[0]
     done = 0
     while done < max_tokens:
         room = min(max_tokens - done, limit - cache[0].offset) - 1
         drafts, q = _draft(model, drafter, cache, anchor, sampling,
-                           min(num_draft_tokens, room), draft_confidence)
+                           min(num_draft_tokens, room), draft_confidence) \
+            if drafter is not None else ([], None)
+        drafts = model.agree_on_ints(drafts, MAX_DRAFT_TOKENS)  # a pipeline: the last rank's
         rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
         targets = _normalise(shape(rows, [anchor] + drafts))
-        accepted, following = _accept(sampling, targets, drafts, q)
+        accepted, following = _agree_on_outcome(model, *_accept(sampling, targets, drafts, q),
+                                                drafts)
         accepted = _cut_at_stop(anchor, accepted, stops)
         trim_cache(cache, len(drafts) - len(accepted))
         stats.proposed += len(drafts)
@@ -187,6 +197,13 @@ def _accept(sampling: Sampling, targets: mx.array, drafts: list, q) -> tuple:
             residual = mx.maximum(p[r] - mx.exp(q[r]), 0)
             return drafts[:r], mx.random.categorical(mx.log(residual)).item()
     return drafts, None
+
+
+def _agree_on_outcome(model, accepted: list, following: Optional[int], drafts: list) -> tuple:
+    """The acceptance every process trims by: the deciding one's (a pipeline: the last rank's,
+    which alone holds the verify logits) as (accepted count, next token or -1)."""
+    n, token = model.agree_on_ints([len(accepted), -1 if following is None else following], 2)
+    return drafts[:n], None if token < 0 else token
 
 
 def _cut_at_stop(anchor: int, accepted: list, stops: Sequence[int]) -> list:

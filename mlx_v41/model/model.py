@@ -258,6 +258,29 @@ class Model(nn.Module):
         return self.forward(ids, cache, last_only=last_only, step_size=step_size,
                             capture=capture, progress=progress, images=images).logits
 
+    samples_drafts = True  # DSpark's rejection sampling runs here (a pipeline: greedy only)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether forwards feed the DSpark drafter's rings (and speculative decoding runs)."""
+        return "dspark" in self
+
+    @property
+    def drafts_here(self) -> bool:
+        """Whether this process runs the drafter (a pipeline: the last rank only)."""
+        return "dspark" in self
+
+    def write_draft_rings(self, cache: list, taps: dict, end: int) -> None:
+        """The drafter's ring rows from a call's target-layer `taps` (`prefill.py`)."""
+        from .prefill import write_draft_rings
+
+        write_draft_rings(self, cache, taps, end)
+
+    def agree_on_ints(self, values: list, size: int) -> list:
+        """The ints every process continues with (at most `size`): the ones computed here (a
+        pipeline: the last rank's)."""
+        return list(values)
+
     def agree_on_token(self, token: mx.array) -> mx.array:
         """The token every process continues with: the one sampled here (a pipeline: the last
         rank's, which alone holds the logits)."""

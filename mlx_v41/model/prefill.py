@@ -58,7 +58,7 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     step = step_size or length
     chunks = split_chunks(ids, embeddings, images, step)
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
-    drafting = "dspark" in model
+    drafting = model.drafting
     targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
     run = (runner or Run)(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher,
                           capture, Progress(progress, length, cache, len(chunks)))
@@ -68,7 +68,7 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     with transaction(cache):
         logits = run.full(chunks, last_only) if mode == "full" else run.encoder_only(chunks, mode)
         if drafting:
-            write_draft_rings(model, cache, run.taps, start + length)
+            model.write_draft_rings(cache, run.taps, start + length)
         commit(cache, start + length)
     return ModelOutput(logits, {layer: run.taps[layer] for layer in taps})
 
@@ -182,7 +182,7 @@ def halo_spans(model, rows: int, mode: str) -> Optional[list]:
         span = min(rows, cfg.sliding_window)
         return [(span, span)] * (cfg.num_hidden_layers - model.model.decoder_start)
     rollback = model.ced_rollback
-    if "dspark" in model:  # the taps at the last layers must fill the draft rings' window too
+    if model.drafting:  # the taps at the last layers must fill the draft rings' window too
         rollback = max(rollback, 1) + 1
     return ced_halo(cfg, rows, rollback)
 

@@ -1,0 +1,73 @@
+"""One rank of the DSpark-over-a-pipeline test (run under `mlx.launch`, see
+test_distributed.py), and the call the test repeats in one process.
+
+    python tests/dspark_pipeline_worker.py CHECKPOINT SPLIT OUT [--truth T,T,.. --right R]
+
+Runs greedy DSpark with the model's drafter, then (with `--truth`, the plain greedy
+continuation) again with the last rank drafting by `test_dspark.Oracle`, right about R drafts a
+cycle, so drafts are accepted (the tiny drafter's are not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import hashlib
+
+import mlx.core as mx
+import numpy as np
+
+STEPS = 14
+
+
+def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5) -> dict:
+    """Greedy DSpark decoding: its tokens, drafts accepted, every cache entry's offset, and a
+    digest of the rows the drafter's rings hold (where it runs)."""
+    from mlx_v41.generation.speculative import DraftStats, Sampling, speculative_steps
+    from test_dspark import Oracle
+
+    drafter = None if truth is None or not model.drafts_here else \
+        Oracle(model, ids[0].tolist(), truth, right)
+    cache = model.make_cache()
+    logits = model(ids, cache, last_only=True)
+    stats = DraftStats()
+    tokens = [int(t) for t, _, _ in speculative_steps(model, logits, cache, sampling=Sampling(),
+                                                      max_tokens=STEPS, stats=stats,
+                                                      drafter=drafter)]
+    rings = b""
+    if model.drafts_here:
+        for ring in cache[model.cfg.num_hidden_layers:]:
+            keys = model.dspark.ring_keys(ring, ring.offset).astype(mx.float32)
+            rings += np.array(keys).tobytes()
+    return {"tokens": tokens, "accepted": stats.accepted, "cycles": stats.cycles,
+            "offsets": [c.offset for c in cache], "rings": hashlib.sha256(rings).hexdigest()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("split")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--truth", default=None)
+    parser.add_argument("--right", type=int, default=5)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mlx_v41.distributed.startup import start_pipeline
+    from distributed_worker import prompt
+
+    model, _ = start_pipeline(args.checkpoint, split=args.split, dspark=True, timeout=20)
+    ids = prompt(Path(args.checkpoint))
+    report = {"drafter": greedy_dspark(model, ids)}
+    if args.truth is not None:
+        truth = [int(t) for t in args.truth.split(",")]
+        report["oracle"] = greedy_dspark(model, ids, truth, args.right)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{model.link.rank}.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

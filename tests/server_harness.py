@@ -128,6 +128,16 @@ class LiveServer:
         return True
 
 
+def forcing_server(model, tokenizer):
+    """A `LiveServer` whose hook forces scripted replies, closed when the generator ends
+    (a module fixture's body: `yield from forcing_server(*loaded)`)."""
+    server = LiveServer(model, tokenizer, hook=Forcing(tokenizer))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 def post(port: int, path: str, body, timeout: float = 60.0) -> tuple:
     """Raw HTTP POST: (status, decoded JSON). `body` bytes are sent as they are."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

@@ -14,7 +14,7 @@ import pytest
 
 import mlx_v41
 from mlx_v41.chat import format as cf
-from server_harness import MODEL_ID, Forcing, LiveServer, write_swa_checkpoint
+from server_harness import MODEL_ID, forcing_server, write_swa_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
@@ -30,10 +30,7 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(loaded):
-    model, tokenizer = loaded
-    server = LiveServer(model, tokenizer, hook=Forcing(tokenizer))
-    yield server
-    server.close()
+    yield from forcing_server(*loaded)
 
 
 @pytest.fixture(scope="module")

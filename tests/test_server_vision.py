@@ -17,7 +17,7 @@ from PIL import Image
 import mlx_v41
 from conftest import golden_checkpoint, reference_ops
 from mlx_v41.chat import format as cf
-from server_harness import MODEL_ID, Forcing, LiveServer, post
+from server_harness import MODEL_ID, Forcing, LiveServer, forcing_server, post
 from vision_fixtures import SMALL_MIN_PIXELS, TWIN_SPAN, twin_images, vision_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -39,10 +39,7 @@ def twins(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(loaded):
-    model, tokenizer = loaded
-    server = LiveServer(model, tokenizer, hook=Forcing(tokenizer))
-    yield server
-    server.close()
+    yield from forcing_server(*loaded)
 
 
 def data_uri(path, media_type="image/png") -> str:

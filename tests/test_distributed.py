@@ -293,7 +293,7 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
                             (("/save", "prompt-cache files are not written or read across "
                                        "ranks yet"),
-                             ("/dspark", "the DSpark drafter does not run across ranks yet"),
+                             ("/dspark", "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"),
                              ("/image", "the chat does not share images across ranks yet"))]
         assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)

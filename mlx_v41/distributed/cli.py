@@ -37,7 +37,8 @@ def distributed_loader(args, drafts: bool = False):
     def load(path, **options):
         drafting = drafts and bool(args.pipeline)
         if options.get("dspark") and not drafting:
-            raise ValueError(f"{switch} does not run the DSpark drafter yet (drop --dspark)")
+            where = "only in mlx_v41.generate, greedily" if args.pipeline else "yet"
+            raise ValueError(f"{switch} runs the DSpark drafter {where} (drop --dspark)")
         if not drafting:
             options.pop("dspark", None)
         # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the

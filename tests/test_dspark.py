@@ -243,6 +243,11 @@ def test_bad_settings_are_refused(tiny):
     plain = mlx_v41.load_model(golden_checkpoint("tiny"), dspark=False)
     with pytest.raises(ValueError, match="loaded without it"):
         check_draft_settings(plain, None, 5)
+    cache = plain.make_cache()
+    logits = prefill(plain, [1, 2, 3], cache)
+    with pytest.raises(ValueError, match="loaded without it"):  # called directly, no drafter
+        next(speculative_steps(plain, logits, cache, sampling=Sampling(), max_tokens=2))
+    assert cache[0].offset == 3
 
 
 def test_batch_is_refused_in_one_line(tiny):

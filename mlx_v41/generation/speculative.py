@@ -60,12 +60,16 @@ class DraftStats:
         return (self.accepted + self.cycles) / max(self.cycles, 1)
 
 
-def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
-    """The settings speculative decoding runs with, or a ValueError naming what is missing."""
+def _require_drafter(model) -> None:
     if not model.drafting:
         raise ValueError("draft='dspark' needs the DSpark drafter: this model was loaded "
                          "without it (dspark=False, or a checkpoint without the mtp.* "
                          "tensors; dspark=True names what is missing)")
+
+
+def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
+    """The settings speculative decoding runs with, or a ValueError naming what is missing."""
+    _require_drafter(model)
     if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
         raise ValueError(f"num_draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got "
                          f"{num_draft_tokens!r}")
@@ -95,9 +99,8 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
     if logits.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence per cache: logits have batch "
                          f"{logits.shape[0]} (run each sequence with its own cache)")
-    if drafter is None and not model.drafting:
-        raise ValueError("speculative decoding needs the DSpark drafter: this model was "
-                         "loaded without it (dspark=False)")
+    if drafter is None:
+        _require_drafter(model)
     if drafter is None and model.drafts_here:
         drafter = model.dspark
     stats = stats if stats is not None else DraftStats()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import socket
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +37,22 @@ def with_context(folder: Path, positions: int) -> Path:
     config["text_config"]["max_position_embeddings"] = positions
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def mlx_launch(n: int) -> list:
+    """`mlx.launch -n N` on a free run of N ports (the ring listens on starting-port + rank), so
+    two test runs on one machine never join each other's rings (the default port is fixed)."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return ["mlx.launch", "-n", str(n), "--starting-port", str(base),
+                "--python", sys.executable, "--"]
+    raise RuntimeError(f"no {n} free consecutive ports for mlx.launch")
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from mlx_v41.checkpoint.loader import data_start
 from mlx_v41.checkpoint.safetensors_io import SafetensorsFile
 from mlx_v41.cli.generate import main as generate_main
 
-from conftest import golden_checkpoint, writable_copy
+from conftest import golden_checkpoint, mlx_launch, writable_copy
 from distributed_worker import scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ TIMEOUT = 120
 
 
 def launch(n: int, *command, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = ["mlx.launch", "-n", str(n), "--python", sys.executable, "--", *map(str, command)]
+    cmd = [*mlx_launch(n), *map(str, command)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -219,7 +219,7 @@ class Launched:
     def __init__(self, n: int, *command):
         import signal
 
-        cmd = ["mlx.launch", "-n", str(n), "--python", sys.executable, "--", *map(str, command)]
+        cmd = [*mlx_launch(n), *map(str, command)]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
@@ -313,7 +313,7 @@ def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsy
     ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
     expected = comparable(one_process_chat(["Hello"], capsys, monkeypatch))
     done = subprocess.run(
-        ["mlx.launch", "-n", "2", "--python", sys.executable, "--", "-m", "mlx_v41.chat",
+        [*mlx_launch(2), "-m", "mlx_v41.chat",
          "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
         input=f"Hello\n/load {tmp_path}/none.bin\n/quit\n", cwd=ROOT, capture_output=True,
         text=True, timeout=TIMEOUT)

@@ -5,7 +5,8 @@ test_distributed.py), and the call the test repeats in one process.
 
 Runs greedy DSpark with the model's drafter, then (with `--truth`, the plain greedy
 continuation) again with the last rank drafting by `test_dspark.Oracle`, right about R drafts a
-cycle, so drafts are accepted (the tiny drafter's are not).
+cycle, so drafts are accepted (the tiny drafter's are not greedily); and sampled with the
+model's drafter (`SAMPLED`, seed `SEED`). Each run ends with a draw that shows the random state.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import mlx.core as mx
 import numpy as np
 
 STEPS = 14
+SEED = 5
+SAMPLED = dict(temp=1.0)  # measured on tiny: 4 of the drafter's drafts kept in 10 cycles
 
 
-def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5) -> dict:
-    """Greedy DSpark decoding: its tokens, drafts accepted, every cache entry's offset, and a
-    digest of the rows the drafter's rings hold (where it runs)."""
+def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5, sampled: bool = False) -> dict:
+    """DSpark decoding (greedy, or `SAMPLED` from `SEED`): its tokens, drafts accepted, every
+    cache entry's offset, a digest of the rows the drafter's rings hold (where it runs), and
+    a draw of the random state after the run."""
     from mlx_v41.generation.speculative import DraftStats, Sampling, speculative_steps
     from test_dspark import Oracle
 
@@ -34,16 +38,20 @@ def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5) -> dict:
     cache = model.make_cache()
     logits = model(ids, cache, last_only=True)
     stats = DraftStats()
-    tokens = [int(t) for t, _, _ in speculative_steps(model, logits, cache, sampling=Sampling(),
+    mx.random.seed(SEED)
+    sampling = Sampling(**SAMPLED) if sampled else Sampling()
+    tokens = [int(t) for t, _, _ in speculative_steps(model, logits, cache, sampling=sampling,
                                                       max_tokens=STEPS, stats=stats,
                                                       drafter=drafter)]
+    state = mx.random.randint(0, 2 ** 31 - 1, (2,)).tolist()
     rings = b""
     if model.drafts_here:
         for ring in cache[model.cfg.num_hidden_layers:]:
             keys = model.dspark.ring_keys(ring, ring.offset).astype(mx.float32)
             rings += np.array(keys).tobytes()
     return {"tokens": tokens, "accepted": stats.accepted, "cycles": stats.cycles,
-            "offsets": [c.offset for c in cache], "rings": hashlib.sha256(rings).hexdigest()}
+            "offsets": [c.offset for c in cache], "rings": hashlib.sha256(rings).hexdigest(),
+            "state": state}
 
 
 def main() -> int:
@@ -60,7 +68,8 @@ def main() -> int:
 
     model, _ = start_pipeline(args.checkpoint, split=args.split, dspark=True, timeout=20)
     ids = prompt(Path(args.checkpoint))
-    report = {"drafter": greedy_dspark(model, ids)}
+    report = {"drafter": greedy_dspark(model, ids),
+              "sampled": greedy_dspark(model, ids, sampled=True)}
     if args.truth is not None:
         truth = [int(t) for t in args.truth.split(",")]
         report["oracle"] = greedy_dspark(model, ids, truth, args.right)

@@ -398,12 +398,15 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
 DSPARK_WORKER = Path(__file__).with_name("dspark_pipeline_worker.py")
 
 
-def test_dspark_greedy_over_a_pipeline_equals_one_process(tmp_path):
+def test_dspark_over_a_pipeline_equals_one_process(tmp_path):
     """Tiny split at 10: target layer 9's taps come from rank 0, 10 and 11's are rank 1's, and
     the drafter (rank 1) drafts. Greedy DSpark on every rank yields plain greedy's tokens (the
     model's drafter, then an oracle that gets 2 of 5 drafts right, so accepted drafts and
     partial trims happen), every cache entry ends at the same offset on both ranks, and the
-    drafter's rings hold one process's rows bit for bit."""
+    drafter's rings hold one process's rows bit for bit. Sampled DSpark (temperature 1, a
+    seed) yields one process's tokens, acceptances and rejections, and leaves every rank's
+    random state where one process's is (checked by breaking it: a rank that takes one more
+    key per cycle fails)."""
     from dspark_pipeline_worker import STEPS, greedy_dspark
     from distributed_worker import prompt
 
@@ -418,25 +421,30 @@ def test_dspark_greedy_over_a_pipeline_equals_one_process(tmp_path):
         truth.append(token)
         logits = plain(np.array([[token]], np.int32), cache)
     one = load_model(checkpoint, dspark=True)
-    expected = {"drafter": greedy_dspark(one, ids), "oracle": greedy_dspark(one, ids, truth, 2)}
+    expected = {"drafter": greedy_dspark(one, ids), "oracle": greedy_dspark(one, ids, truth, 2),
+                "sampled": greedy_dspark(one, ids, sampled=True)}
     result = launch(2, DSPARK_WORKER, checkpoint, "10", tmp_path,
                     "--truth", ",".join(map(str, truth)), "--right", "2")
     assert (tmp_path / "rank1.json").is_file(), result.stdout + result.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert expected["oracle"]["accepted"] > 0
+    sampled = expected["sampled"]
+    assert 0 < sampled["accepted"] < sampled["cycles"] and sampled["tokens"] != truth[:STEPS]
     for name, want in expected.items():
         for report in ranks:
             got = report[name]
-            assert got["tokens"] == truth[:STEPS] == want["tokens"], name
+            assert got["tokens"] == want["tokens"], name
             assert (got["accepted"], got["cycles"]) == (want["accepted"], want["cycles"]), name
             assert got["offsets"] == [ids.shape[1] + STEPS] * len(want["offsets"]), name
+            assert got["state"] == want["state"], name
         assert ranks[1][name]["rings"] == want["rings"], name
+        assert name == "sampled" or want["tokens"] == truth[:STEPS]
 
 
-def test_dspark_pipeline_shares_and_sampled_refused():
+def test_dspark_pipeline_shares():
     """Loaded as rank 0 or 1 of 2 (split 10, no collective runs): only the last rank holds
-    the drafter (and, for it, the embedding); every rank keeps one ring slot per stage; sampled
-    DSpark across ranks is refused in one line, greedy is not."""
+    the drafter (and, for it, the embedding) and the logits; every rank keeps one ring slot
+    per stage; greedy and sampled DSpark settings are accepted."""
     from types import SimpleNamespace
 
     from mlx_v41.distributed.pipeline import PipelineModel
@@ -450,10 +458,10 @@ def test_dspark_pipeline_shares_and_sampled_refused():
     first, last = share(0), share(1)
     assert "dspark" not in first and "dspark" in last and "embed_tokens" in last.model
     assert not first.drafts_here and last.drafts_here and first.drafting
+    assert not first.holds_logits and last.holds_logits
     cfg = first.cfg
     assert len(first.make_cache()) == len(last.make_cache()) == \
         cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     for model in (first, last):
-        assert check_draft_settings(model, Sampling(), 5) == Sampling()
-        with pytest.raises(ValueError, match="decodes greedily only: temp must be 0, got 0.8"):
-            check_draft_settings(model, Sampling(temp=0.8), 5)
+        for sampling in (Sampling(), Sampling(temp=0.8)):
+            assert check_draft_settings(model, sampling, 5) == sampling

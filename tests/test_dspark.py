@@ -195,7 +195,7 @@ def _wrong_accept(sampling, targets, drafts, q):
     for r, token in enumerate(drafts):
         if p[r, token].item() < mx.exp(q[r, token]).item():
             return drafts[:r], mx.random.categorical(mx.log(p[r])).item()
-    return drafts, None
+    return drafts, mx.random.categorical(mx.log(p[len(drafts)])).item()
 
 
 def _emitted(accept, p, q, trials):
@@ -206,7 +206,7 @@ def _emitted(accept, p, q, trials):
     for _ in range(trials):
         drafts = [mx.random.categorical(proposal[r]).item() for r in range(2)]
         accepted, following = accept(sampling, targets, drafts, proposal)
-        emitted = accepted + ([following] if following is not None else [])
+        emitted = accepted + [following]
         firsts.append(emitted[0])
         if accepted:
             seconds.append(emitted[1])

@@ -97,14 +97,14 @@ def chi2(counts: np.ndarray, p: np.ndarray) -> tuple:
     return float(((o - e) ** 2 / e).sum()), len(e) - 1
 
 
-def wrong_accept(sampling, targets, drafts, q):
+def wrong_accept(sampling, targets, drafts, q, key=None):
     """The acceptance test of `_accept`, but a rejection draws from p, not from the residual
     max(p - q, 0): the drafts' mass is counted twice."""
     p = mx.exp(sampling.logprobs(targets))
     for r, token in enumerate(drafts):
         if mx.random.uniform().item() >= min(1.0, (p[r, token] / mx.exp(q[r, token])).item()):
             return drafts[:r], mx.random.categorical(mx.log(p[r])).item()
-    return drafts, None
+    return drafts, mx.random.categorical(mx.log(p[len(drafts)])).item()
 
 
 def test_speculative_joint_matches_plain_sampling(small, monkeypatch):

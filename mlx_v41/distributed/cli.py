@@ -37,7 +37,7 @@ def distributed_loader(args, drafts: bool = False):
     def load(path, **options):
         drafting = drafts and bool(args.pipeline)
         if options.get("dspark") and not drafting:
-            where = "only in mlx_v41.generate, greedily" if args.pipeline else "yet"
+            where = "only in mlx_v41.generate" if args.pipeline else "yet"
             raise ValueError(f"{switch} runs the DSpark drafter {where} (drop --dspark)")
         if not drafting:
             options.pop("dspark", None)

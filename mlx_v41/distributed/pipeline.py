@@ -11,9 +11,10 @@ unchanged on every rank. Later ranks keep a mirror of the kv owners they read
 (`MirrorKV`). Only the last rank holds logits (the others: zeros); it samples, and its token
 reaches every rank by `all_sum` of one int32 (`agree_on_token`; the same seed on every rank, so
 the random keys advance alike). Exact: every layer runs the ops it runs in one process.
-With the DSpark drafter (greedy), the drafter is the last rank's: the other ranks send it the
-taps of the target layers they run (`write_draft_rings`), and its drafts and acceptance reach
-every rank as a few int32s (`agree_on_ints`), so every rank verifies and trims alike.
+With the DSpark drafter, the drafter is the last rank's: the other ranks send it the taps of
+the target layers they run (`write_draft_rings`), and its drafts and acceptance (greedy or
+sampled: count accepted, next token) reach every rank as a few int32s (`agree_on_ints`), so
+every rank verifies and trims alike; each sampled cycle takes one key on every rank.
 """
 
 from __future__ import annotations
@@ -247,7 +248,6 @@ class PipelineModel(Model):
     build=...)`); calls and caches as `Model`'s, run by every rank together."""
 
     partial = True  # the loaders skip other ranks' tensors
-    samples_drafts = False  # DSpark across ranks: greedy only (sampled acceptance not checked)
 
     def __init__(self, args, link: Link, split: Optional[str] = None, **options):
         # The vision tower (vision.*, aligner.*, image_*) lives on rank 0, with the embedding.
@@ -290,6 +290,10 @@ class PipelineModel(Model):
     @property
     def drafts_here(self) -> bool:
         return self._drafting and self.stage.last
+
+    @property
+    def holds_logits(self) -> bool:
+        return self.stage.last
 
     def write_draft_rings(self, cache: list, taps: dict, end: int) -> None:
         """Every rank sends the taps of the target layers it runs to the last rank, which

@@ -3,7 +3,9 @@ forward verifies them all, and the cache is trimmed back to what was accepted.
 
 Greedy: the committed tokens are exactly plain greedy decoding's. Sampling: standard
 speculative rejection sampling with the same warpers (temperature, top-p, min-p, top-k) on the
-target's and the drafter's distributions, so the output is distributed as plain sampling.
+target's and the drafter's distributions, so the output is distributed as plain sampling. A
+sampled cycle takes one key from the global random sequence and draws everything from keys
+split off it, so every rank of a group advances its random state alike whatever it computes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import mlx.core as mx
 from ..cache.layer import trim_cache
 
 MAX_DRAFT_TOKENS = 5  # the drafter's block holds the anchor and 5 proposals
+KEY_WORD = 2 ** 31 - 1  # a drawn key's words stay below this (randint takes an int32 bound)
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,6 @@ def check_draft_settings(model, sampler, num_draft_tokens: int) -> Sampling:
     if not isinstance(sampler, Sampling):
         raise ValueError("draft='dspark' samples exactly only with known settings: pass "
                          "sampler=mlx_v41.Sampling(temp, top_p, min_p, top_k)")
-    if sampler.temp != 0 and not model.samples_drafts:
-        raise ValueError("draft='dspark' across ranks (--pipeline) decodes greedily only: "
-                         f"temp must be 0, got {sampler.temp}")
     return sampler
 
 
@@ -111,14 +111,16 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
     done = 0
     while done < max_tokens:
         room = min(max_tokens - done, limit - cache[0].offset) - 1
+        draft_key, accept_key = _cycle_keys(sampling)
         drafts, q = _draft(model, drafter, cache, anchor, sampling,
-                           min(num_draft_tokens, room), draft_confidence) \
+                           min(num_draft_tokens, room), draft_confidence, draft_key) \
             if drafter is not None else ([], None)
         drafts = model.agree_on_ints(drafts, MAX_DRAFT_TOKENS)  # a pipeline: the last rank's
         rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
         targets = _normalise(shape(rows, [anchor] + drafts))
-        accepted, following = _agree_on_outcome(model, *_accept(sampling, targets, drafts, q),
-                                                drafts)
+        outcome = _accept(sampling, targets, drafts, q, accept_key) if model.holds_logits \
+            else ([], 0)
+        accepted, following = _agree_on_outcome(model, *outcome, drafts)
         accepted = _cut_at_stop(anchor, accepted, stops)
         trim_cache(cache, len(drafts) - len(accepted))
         stats.proposed += len(drafts)
@@ -132,8 +134,7 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
         done += 1 + len(accepted)
         if ([anchor] + accepted)[-1] in stops:
             return
-        logprobs = targets[len(accepted)]
-        anchor = following if following is not None else _draw(sampling, logprobs)
+        logprobs, anchor = targets[len(accepted)], following
 
 
 class _Shaper:
@@ -167,13 +168,37 @@ def _draw(sampling: Sampling, logprobs: mx.array) -> int:
     return sampling(logprobs[None])[0].item()
 
 
+def _cycle_keys(sampling: Sampling) -> tuple:
+    """A sampled cycle's (draft key, acceptance key), split off one key taken from the global
+    sequence (greedy: none taken). The number taken per cycle never depends on the data, so
+    the ranks of a group, which start from the same seed, keep the same random state."""
+    if sampling.temp == 0:
+        return None, None
+    return tuple(mx.random.split(_next_key()))
+
+
+def _next_key() -> mx.array:
+    """A key [2] uint32 from one draw of the global sequence (MLX has no public `next`)."""
+    return mx.random.randint(0, KEY_WORD, (2,), mx.uint32)
+
+
+def _draw_with(sampling: Sampling, key: mx.array):
+    """`sample(row)` for the drafter: each call draws with the next key split off `key`."""
+    keys = [key]
+
+    def sample(row: mx.array) -> mx.array:
+        keys[0], own = mx.random.split(keys[0])
+        return mx.random.categorical(sampling.logprobs(_normalise(row)), key=own)
+
+    return sample
+
+
 def _draft(model, drafter, cache: list, anchor: int, sampling: Sampling, k: int,
-           confidence: Optional[float]) -> tuple:
+           confidence: Optional[float], key: Optional[mx.array] = None) -> tuple:
     """Up to `k` drafts after `anchor` and their proposal log-distributions [k, V]."""
     if k <= 0:
         return [], None
-    sample = None if sampling.temp == 0 else \
-        (lambda row: mx.random.categorical(sampling.logprobs(_normalise(row))))
+    sample = None if sampling.temp == 0 else _draw_with(sampling, key)
     tokens, logits, conf = drafter.draft(model.model.embed_tokens, model.lm_head.weight,
                                          mx.array([anchor]), cache[model.cfg.num_hidden_layers:],
                                          sample=sample)
@@ -185,28 +210,35 @@ def _draft(model, drafter, cache: list, anchor: int, sampling: Sampling, k: int,
     return tokens[0, 1:k + 1].tolist(), q
 
 
-def _accept(sampling: Sampling, targets: mx.array, drafts: list, q) -> tuple:
-    """(accepted drafts, the next token when a rejection drew it, else None)."""
+def _accept(sampling: Sampling, targets: mx.array, drafts: list, q,
+            key: Optional[mx.array] = None) -> tuple:
+    """(accepted drafts, the token after them): greedy, the target's argmax; sampled, draft r is
+    kept with probability min(1, p/q), the first rejected one is replaced by a draw from the
+    residual max(p - q, 0), and after all drafts the next token is drawn from p. `key`: the
+    cycle's (default: one from the global sequence)."""
     if sampling.temp == 0:
         best = mx.argmax(targets, axis=-1).tolist()
         n = 0
         while n < len(drafts) and drafts[n] == best[n]:
             n += 1
         return drafts[:n], best[n]
-    p = mx.exp(sampling.logprobs(targets))                               # [k + 1, V]
-    for r, token in enumerate(drafts):
-        ratio = p[r, token] / mx.exp(q[r, token])
-        if mx.random.uniform().item() >= min(1.0, ratio.item()):
-            residual = mx.maximum(p[r] - mx.exp(q[r]), 0)
-            return drafts[:r], mx.random.categorical(mx.log(residual)).item()
-    return drafts, None
+    uniform_key, draw_key = mx.random.split(_next_key() if key is None else key)
+    logp = sampling.logprobs(targets)                                    # [k + 1, V]
+    rows, ids = mx.arange(len(drafts)), mx.array(drafts, mx.int32)
+    ratio = mx.exp(logp[rows, ids] - q[rows, ids]) if drafts else mx.zeros((0,))
+    kept = (mx.random.uniform(shape=(len(drafts),), key=uniform_key) < ratio).tolist()
+    n = kept.index(False) if False in kept else len(drafts)
+    if n < len(drafts):
+        residual = mx.maximum(mx.exp(logp[n]) - mx.exp(q[n]), 0)
+        return drafts[:n], mx.random.categorical(mx.log(residual), key=draw_key).item()
+    return drafts, mx.random.categorical(logp[n], key=draw_key).item()
 
 
-def _agree_on_outcome(model, accepted: list, following: Optional[int], drafts: list) -> tuple:
+def _agree_on_outcome(model, accepted: list, following: int, drafts: list) -> tuple:
     """The acceptance every process trims by: the deciding one's (a pipeline: the last rank's,
-    which alone holds the verify logits) as (accepted count, next token or -1)."""
-    n, token = model.agree_on_ints([len(accepted), -1 if following is None else following], 2)
-    return drafts[:n], None if token < 0 else token
+    which alone holds the verify logits) as (accepted count, next token)."""
+    n, token = model.agree_on_ints([len(accepted), following], 2)
+    return drafts[:n], token
 
 
 def _cut_at_stop(anchor: int, accepted: list, stops: Sequence[int]) -> list:

@@ -258,7 +258,7 @@ class Model(nn.Module):
         return self.forward(ids, cache, last_only=last_only, step_size=step_size,
                             capture=capture, progress=progress, images=images).logits
 
-    samples_drafts = True  # DSpark's rejection sampling runs here (a pipeline: greedy only)
+    holds_logits = True  # the head's logits are computed here (a pipeline: the last rank)
 
     @property
     def drafting(self) -> bool:

@@ -6,6 +6,7 @@ every rank with one line naming the rank; Ctrl-C in the chat ends every rank."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -395,19 +396,13 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
         server.kill()
 
 
-DSPARK_WORKER = Path(__file__).with_name("dspark_pipeline_worker.py")
+DSPARK_WORKER = Path(__file__).with_name("dspark_ranks_worker.py")
 
 
-def test_dspark_over_a_pipeline_equals_one_process(tmp_path):
-    """Tiny split at 10: target layer 9's taps come from rank 0, 10 and 11's are rank 1's, and
-    the drafter (rank 1) drafts. Greedy DSpark on every rank yields plain greedy's tokens (the
-    model's drafter, then an oracle that gets 2 of 5 drafts right, so accepted drafts and
-    partial trims happen), every cache entry ends at the same offset on both ranks, and the
-    drafter's rings hold one process's rows bit for bit. Sampled DSpark (temperature 1, a
-    seed) yields one process's tokens, acceptances and rejections, and leaves every rank's
-    random state where one process's is (checked by breaking it: a rank that takes one more
-    key per cycle fails)."""
-    from dspark_pipeline_worker import STEPS, greedy_dspark
+@functools.lru_cache(maxsize=1)
+def dspark_one_process() -> tuple:
+    """The tiny prompt, its plain greedy continuation and one process's DSpark runs."""
+    from dspark_ranks_worker import STEPS, greedy_dspark
     from distributed_worker import prompt
 
     checkpoint = golden_checkpoint("tiny")
@@ -423,7 +418,24 @@ def test_dspark_over_a_pipeline_equals_one_process(tmp_path):
     one = load_model(checkpoint, dspark=True)
     expected = {"drafter": greedy_dspark(one, ids), "oracle": greedy_dspark(one, ids, truth, 2),
                 "sampled": greedy_dspark(one, ids, sampled=True)}
-    result = launch(2, DSPARK_WORKER, checkpoint, "10", tmp_path,
+    return ids.shape[1], truth, expected
+
+
+@pytest.mark.parametrize("split", ["10", "tensor"])
+def test_dspark_across_ranks_equals_one_process(tmp_path, split):
+    """Tiny over 2 ranks. Split at 10: target layer 9's taps come from rank 0, 10 and 11's are
+    rank 1's, and the drafter (rank 1) drafts; tensor parallel: every rank drafts with its
+    half of the drafter's heads and experts. Greedy DSpark yields plain greedy's tokens (the
+    model's drafter, then an oracle that gets 2 of 5 drafts right, so accepted drafts and
+    partial trims happen), every cache entry ends at the same offset on both ranks, and the
+    drafter's rings hold one process's rows bit for bit. Sampled DSpark (temperature 1, a
+    seed) yields one process's tokens, acceptances and rejections, and leaves every rank's
+    random state where one process's is (checked by breaking it: a rank that takes one more
+    key per cycle fails)."""
+    from dspark_ranks_worker import STEPS
+
+    rows, truth, expected = dspark_one_process()
+    result = launch(2, DSPARK_WORKER, golden_checkpoint("tiny"), split, tmp_path,
                     "--truth", ",".join(map(str, truth)), "--right", "2")
     assert (tmp_path / "rank1.json").is_file(), result.stdout + result.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -435,9 +447,10 @@ def test_dspark_over_a_pipeline_equals_one_process(tmp_path):
             got = report[name]
             assert got["tokens"] == want["tokens"], name
             assert (got["accepted"], got["cycles"]) == (want["accepted"], want["cycles"]), name
-            assert got["offsets"] == [ids.shape[1] + STEPS] * len(want["offsets"]), name
+            assert got["offsets"] == [rows + STEPS] * len(want["offsets"]), name
             assert got["state"] == want["state"], name
-        assert ranks[1][name]["rings"] == want["rings"], name
+        for report in ranks[1:] if split != "tensor" else ranks:  # the ranks that draft
+            assert report[name]["rings"] == want["rings"], name
         assert name == "sampled" or want["tokens"] == truth[:STEPS]
 
 

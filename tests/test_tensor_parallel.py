@@ -42,9 +42,9 @@ def fake_link(rank: int, size: int):
     return SimpleNamespace(rank=rank, size=size)
 
 
-def load_share(folder, rank: int, size: int = 2):
+def load_share(folder, rank: int, size: int = 2, dspark: bool = False):
     link = fake_link(rank, size)
-    return load_model(folder, dspark=False, vision=False,
+    return load_model(folder, dspark=dspark, vision=False,
                       build=lambda args, **kw: TensorParallelModel(args, link, **kw))
 
 
@@ -95,30 +95,48 @@ def test_each_rank_loads_its_share_from_published_and_converted_folders(tmp_path
     assert split == 4 * 12 * 19
 
 
-TINY = dict(num_attention_heads=4, o_groups=2, n_routed_experts=8, moe_intermediate_size=64)
+def test_the_drafter_splits_like_the_backbone():
+    """With the drafter, each rank holds its share of every stage's query rows, sinks, output
+    groups, experts and shared-expert width (the backbone's split); main_proj, the norms and
+    the Markov and confidence heads whole."""
+    whole = dict(tree_flatten(load_model(golden_checkpoint("tiny"), dspark=True,
+                                         vision=False).parameters()))
+    for rank in range(2):
+        got = dict(tree_flatten(load_share(golden_checkpoint("tiny"), rank, dspark=True)
+                                .parameters()))
+        assert set(got) == set(whole)
+        split = 0
+        for name in (n for n in got if n.startswith("dspark.")):
+            want = expected_share(name, whole[name], rank, 2)
+            assert got[name].shape == want.shape and mx.array_equal(got[name], want).item(), \
+                (rank, name)
+            split += want.shape != whole[name].shape
+        assert split == 3 * 19  # 3 stages x the backbone layer's 19 split tensors
+
+
+TINY = dict(num_attention_heads=4, o_groups=2, n_routed_experts=8, moe_intermediate_size=64,
+            dspark_n_routed_experts=8)
 
 
 @pytest.mark.parametrize("field,value,size,message", [
     ("o_groups", 2, 4, "o_groups = 2 does not split over 4 ranks"),
     ("n_routed_experts", 6, 4, "n_routed_experts = 6 does not split over 4 ranks"),
+    ("dspark_n_routed_experts", 6, 4, "dspark_n_routed_experts = 6 does not split over 4"),
     ("moe_intermediate_size", 96, 2, "moe_intermediate_size = 96 does not split over 2 ranks "
                                      "in whole 32-wide FP8 blocks")])
 def test_an_axis_that_does_not_split_is_one_line(field, value, size, message):
     cfg = SimpleNamespace(**{**TINY, "o_groups": 4, field: value})
     with pytest.raises(ShardError, match=message):
-        check_shardable(cfg, size)
+        check_shardable(cfg, size, drafter=True)
 
 
-def test_heads_over_three_ranks_and_drafter_vision_refused():
+def test_heads_over_three_ranks_and_vision_refused():
     with pytest.raises(ShardError, match="^--tensor-parallel: num_attention_heads = 4 does "
                                          "not split over 3 ranks"):
         load_share(golden_checkpoint("tiny"), 0, 3)
-    for option, what in (("dspark", "DSpark drafter"), ("vision", "vision tower")):
-        with pytest.raises(ShardError, match=f"does not run the {what}"):
-            load_model(golden_checkpoint("tiny"), **{"dspark": False, "vision": False,
-                                                     option: True},
-                       build=lambda args, **kw: TensorParallelModel(args, fake_link(0, 2),
-                                                                    **kw))
+    with pytest.raises(ShardError, match="does not run the vision tower"):
+        load_model(golden_checkpoint("tiny"), dspark=False, vision=True,
+                   build=lambda args, **kw: TensorParallelModel(args, fake_link(0, 2), **kw))
 
 
 def _wide_checkpoint(folder: Path) -> Path:

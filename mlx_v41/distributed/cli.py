@@ -22,8 +22,8 @@ def add_distributed_arguments(parser) -> None:
 
 def distributed_loader(args, drafts: bool = False):
     """A `load`-like function for args.pipeline or args.tensor_parallel (None: neither);
-    silences stdout on ranks other than 0. `drafts`: the caller runs greedy DSpark across a
-    pipeline (`mlx_v41.generate`); the others refuse `--dspark`."""
+    silences stdout on ranks other than 0. `drafts`: the caller runs DSpark across the ranks
+    (`mlx_v41.generate`); the others refuse `--dspark`."""
     from .startup import start_pipeline, start_tensor_parallel
 
     switch = "--pipeline" if args.pipeline else "--tensor-parallel"
@@ -35,11 +35,10 @@ def distributed_loader(args, drafts: bool = False):
         raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
-        drafting = drafts and bool(args.pipeline)
-        if options.get("dspark") and not drafting:
-            where = "only in mlx_v41.generate" if args.pipeline else "yet"
-            raise ValueError(f"{switch} runs the DSpark drafter {where} (drop --dspark)")
-        if not drafting:
+        if options.get("dspark") and not drafts:
+            raise ValueError(f"{switch} runs the DSpark drafter only in mlx_v41.generate "
+                             "(drop --dspark)")
+        if not drafts:
             options.pop("dspark", None)
         # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the
         # server refuse images across ranks).

@@ -10,7 +10,8 @@ Routed experts are split by expert, not by inner width: a layer then reduces one
 of the experts' bf16 outputs; an inner-width split would have to reduce every expert's fp32
 products [T, k, D] before their bf16 rounding (k = 6 times the bytes) to keep the numerics.
 A rank evaluates the pairs routed to another rank's experts at weight 0 (exact zeros; no host
-round trip to compact them).
+round trip to compact them). The DSpark drafter's stages split the same way (their attention
+and MoE use the same projections), so every rank drafts the same tokens from the same logits.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class ShardError(ValueError):
     """A model that cannot be split over the launched ranks (the message names the field)."""
 
 
-def check_shardable(cfg, size: int) -> None:
-    """Every split axis must divide evenly, and the shared expert's share must keep whole
-    32-wide FP8 scale blocks."""
-    for field in ("num_attention_heads", "o_groups", "n_routed_experts"):
+def check_shardable(cfg, size: int, drafter: bool = False) -> None:
+    """Every split axis must divide evenly (the drafter's experts too, with `drafter`), and
+    the shared expert's share must keep whole 32-wide FP8 scale blocks."""
+    fields = ("num_attention_heads", "o_groups", "n_routed_experts")
+    for field in fields + (("dspark_n_routed_experts",) if drafter else ()):
         value = getattr(cfg, field)
         if value % size:
             raise ShardError(f"--tensor-parallel: {field} = {value} does not split over {size} "
@@ -101,18 +103,19 @@ class TensorParallelModel(Model):
     every rank together."""
 
     def __init__(self, args, link: Link, **options):
-        if options.get("dspark"):
-            raise ShardError("--tensor-parallel does not run the DSpark drafter (drop --dspark)")
         if options.get("vision"):
             raise ShardError("--tensor-parallel does not run the vision tower (no --image)")
-        check_shardable(args.text_config, link.size)
+        check_shardable(args.text_config, link.size, bool(options.get("dspark")))
         super().__init__(args, **options)
         self.link, self.rank = link, link.rank
         self.ranges = f"tensor parallel x{link.size}"  # what the startup handshake compares
         self.shard_of = ShardPlan()
-        for i, layer in enumerate(self.model.layers):
-            self._shard_attention(f"model.layers.{i}.self_attn", layer.self_attn)
-            self._shard_moe(f"model.layers.{i}.mlp", layer.mlp)
+        blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(self.model.layers)]
+        if "dspark" in self:  # the drafter's stages are the same attention and MoE classes
+            blocks += [(f"dspark.stages.{k}", stage) for k, stage in enumerate(self.dspark.stages)]
+        for path, block in blocks:
+            self._shard_attention(f"{path}.self_attn", block.self_attn)
+            self._shard_moe(f"{path}.mlp", block.mlp)
 
     def forward(self, *args, **kwargs):
         """`Model.forward`; a collective that failed inside it (a rank lost) raises one

@@ -1,10 +1,12 @@
-"""One rank of the DSpark-over-a-pipeline test (run under `mlx.launch`, see
-test_distributed.py), and the call the test repeats in one process.
+"""One rank of the DSpark-across-ranks tests (run under `mlx.launch`, see
+test_distributed.py), and the call the tests repeat in one process.
 
-    python tests/dspark_pipeline_worker.py CHECKPOINT SPLIT OUT [--truth T,T,.. --right R]
+    python tests/dspark_ranks_worker.py CHECKPOINT SPLIT OUT [--truth T,T,.. --right R]
+
+SPLIT "tensor" runs tensor parallel (every rank drafts), otherwise a pipeline split.
 
 Runs greedy DSpark with the model's drafter, then (with `--truth`, the plain greedy
-continuation) again with the last rank drafting by `test_dspark.Oracle`, right about R drafts a
+continuation) again with the drafting rank(s) using `test_dspark.Oracle`, right about R drafts a
 cycle, so drafts are accepted (the tiny drafter's are not greedily); and sampled with the
 model's drafter (`SAMPLED`, seed `SEED`). Each run ends with a draw that shows the random state.
 """
@@ -63,10 +65,13 @@ def main() -> int:
     parser.add_argument("--right", type=int, default=5)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mlx_v41.distributed.startup import start_pipeline
+    from mlx_v41.distributed.startup import start_pipeline, start_tensor_parallel
     from distributed_worker import prompt
 
-    model, _ = start_pipeline(args.checkpoint, split=args.split, dspark=True, timeout=20)
+    if args.split == "tensor":
+        model, _ = start_tensor_parallel(args.checkpoint, dspark=True, timeout=20)
+    else:
+        model, _ = start_pipeline(args.checkpoint, split=args.split, dspark=True, timeout=20)
     ids = prompt(Path(args.checkpoint))
     report = {"drafter": greedy_dspark(model, ids),
               "sampled": greedy_dspark(model, ids, sampled=True)}

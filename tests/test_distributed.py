@@ -189,10 +189,11 @@ def test_killed_rank_ends_the_others(tmp_path, split):
 
 # ---------------------------------------------------------------- mlx_v41.chat over the ranks
 
-CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32"]  # chunked prompts: progress on stderr
-CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Grüße, 世界",  # UTF-8
-               "/thinking on"]
-REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 6: "/image {tmp}/cat.png"}
+# Chunked prompts (progress on stderr); the drafter loaded, switched on by `/dspark on`.
+CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32", "--dspark"]
+CHAT_SCRIPT = ["Hello", "/thinking off", "/dspark on", "Again", "/stats", "/reset",
+               "Grüße, 世界", "/thinking on"]  # UTF-8
+REFUSED = {2: "/save {tmp}/session.bin", 7: "/image {tmp}/cat.png"}
 
 
 def one_process_chat(script, capsys, monkeypatch) -> str:
@@ -273,13 +274,15 @@ class Launched:
 
 def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         tmp_path, capsys, monkeypatch):
-    """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline` fed on stdin: rank 0 alone prints, the
-    transcript is one process's (greedy; the cache rolled back by /thinking, reused, reset),
+    """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline --dspark` fed on stdin: rank 0 alone
+    prints, the transcript is one process's (greedy; the cache rolled back by /thinking,
+    reused, reset; DSpark switched on by /dspark, its draft counts in /stats),
     the commands a pipeline cannot run are refused in one line each and change nothing (the
     one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's process group, as a
     terminal sends it) while a long prompt is being prefilled ends every rank, soon, instead
     of leaving one waiting in a collective. (--tensor-parallel runs the same REPL code.)"""
     expected = comparable(one_process_chat(CHAT_SCRIPT, capsys, monkeypatch))
+    assert "[dspark on]" in expected and "drafts: " in expected
     script = list(CHAT_SCRIPT)
     for at, command in sorted(REFUSED.items(), reverse=True):
         script.insert(at, command.format(tmp=tmp_path))
@@ -294,7 +297,6 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
                             (("/save", "prompt-cache files are not written or read across "
                                        "ranks yet"),
-                             ("/dspark", "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"),
                              ("/image", "the chat does not share images across ranks yet"))]
         assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)
@@ -310,14 +312,17 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
 
 def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
                                                                  monkeypatch):
-    """`--tensor-parallel`: the same reply as one process, a refusal naming the flag, and /quit
-    ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
-    expected = comparable(one_process_chat(["Hello"], capsys, monkeypatch))
+    """`--tensor-parallel`: the same replies as one process (plain, then DSpark with its draft
+    counts in /stats), a refusal naming the flag, and /quit ends every rank with status 0
+    (mlx.launch never passes the end of its stdin on)."""
+    script = ["Hello", "/dspark on", "Again", "/stats"]
+    expected = comparable(one_process_chat(script, capsys, monkeypatch))
+    assert "drafts: " in expected
     done = subprocess.run(
         [*mlx_launch(2), "-m", "mlx_v41.chat",
          "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
-        input=f"Hello\n/load {tmp_path}/none.bin\n/quit\n", cwd=ROOT, capture_output=True,
-        text=True, timeout=TIMEOUT)
+        input="".join(f"{line}\n" for line in script + [f"/load {tmp_path}/none.bin", "/quit"]),
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert comparable(done.stdout) == expected
     assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [
@@ -354,27 +359,34 @@ def _wait_for_health(server: Launched, port: int) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_server_over_a_pipeline_equals_one_process(tmp_path):
-    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline`: rank 0 serves raw HTTP, and the
-    replies (greedy; seeded sampling with a penalty and a stop string) are one process's. A
-    client that disconnects mid-stream cancels on every rank (the next reply is still one
-    process's); logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
+    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline --dspark`: rank 0 serves raw HTTP, and
+    the replies (greedy, which is plain greedy's; seeded sampling with a penalty and a stop
+    string) are one drafting process's. A client that disconnects mid-stream cancels on every
+    rank (the next reply is still one process's); logprobs are refused under a pipeline;
+    Ctrl-C on rank 0 stops every rank."""
     import http.client
     import signal
 
+    import mlx_v41
     from server_harness import LiveServer, post, tiny
 
     greedy = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
               "temperature": 0}
     sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
                "max_tokens": 8, "stop": ["ll"]}
-    one = LiveServer(*tiny(), cache_bytes=0)
+    one = LiveServer(*mlx_v41.load(golden_checkpoint("tiny"), dspark=True), cache_bytes=0,
+                     draft="dspark")
+    plain = LiveServer(*tiny(), cache_bytes=0)
     try:
         expected = [post(one.port, "/v1/chat/completions", body)[1] for body in (greedy, sampled)]
+        assert expected[0]["choices"] == post(plain.port, "/v1/chat/completions",
+                                              greedy)[1]["choices"]
     finally:
         one.close()
+        plain.close()
     port = _free_ports(1)[0]
     server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
-                      "--port", port, "--pipeline", "--log-level", "WARNING")
+                      "--port", port, "--pipeline", "--dspark", "--log-level", "WARNING")
     try:
         _wait_for_health(server, port)
         for body, want in zip((greedy, sampled), expected):

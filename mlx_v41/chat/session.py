@@ -254,7 +254,7 @@ def format_stats(session: ChatSession) -> str:
     if state is not None:
         size = cache_bytes(state.cache)["total"]
         lines.append(f"cache: {len(state.tokens)} of {limit} positions, {size / 2**20:.2f} MiB")
-    dspark = f"dspark: {'on' if session.draft else 'off'}; " if "dspark" in session.model else ""
+    dspark = f"dspark: {'on' if session.draft else 'off'}; " if session.model.drafting else ""
     lines.append(f"thinking: {'on' if session.thinking else 'off'}; {dspark}"
                  f"{len(session.messages)} messages")
     return "\n".join(lines)

@@ -47,8 +47,7 @@ HELP = """commands:
 # The commands the ranks of a group cannot run yet, and why.
 FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
 REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS,
-                        "/image": "the chat does not share images across ranks yet",
-                        "/dspark": "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"}
+                        "/image": "the chat does not share images across ranks yet"}
 
 
 @dataclass
@@ -108,7 +107,7 @@ def run_command(session: ChatSession, line: str, out, err=None,
 def switch_dspark(session: ChatSession, arg: str, out) -> None:
     """/dspark [on|off]: speculative decoding for the next turns (a model with the drafter)."""
     is_on = {"on": True, "off": False}.get(arg, session.draft is None)
-    if is_on and "dspark" not in session.model:
+    if is_on and not session.model.drafting:
         raise ValueError("/dspark needs the DSpark drafter: start mlx_v41.chat with --dspark "
                          "(a checkpoint with the mtp.* tensors)")
     session.draft = "dspark" if is_on else None

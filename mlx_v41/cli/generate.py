@@ -88,7 +88,7 @@ def run(args) -> int:
         mx.random.seed(args.seed)
     if args.model == DEMO:
         print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-    loader = distributed_loader(args, drafts=True) or load
+    loader = distributed_loader(args) or load
     model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
                               head_dtype=args.head_dtype)
     with wired_limit(model):

@@ -20,10 +20,9 @@ def add_distributed_arguments(parser) -> None:
                         help="seconds to wait for the other ranks at startup (default 900)")
 
 
-def distributed_loader(args, drafts: bool = False):
+def distributed_loader(args):
     """A `load`-like function for args.pipeline or args.tensor_parallel (None: neither);
-    silences stdout on ranks other than 0. `drafts`: the caller runs DSpark across the ranks
-    (`mlx_v41.generate`); the others refuse `--dspark`."""
+    silences stdout on ranks other than 0."""
     from .startup import start_pipeline, start_tensor_parallel
 
     switch = "--pipeline" if args.pipeline else "--tensor-parallel"
@@ -35,11 +34,6 @@ def distributed_loader(args, drafts: bool = False):
         raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
-        if options.get("dspark") and not drafts:
-            raise ValueError(f"{switch} runs the DSpark drafter only in mlx_v41.generate "
-                             "(drop --dspark)")
-        if not drafts:
-            options.pop("dspark", None)
         # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the
         # server refuse images across ranks).
         options["vision"] = bool(getattr(args, "image", None)) and bool(args.pipeline)

@@ -1,7 +1,8 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
 HTTP and, before running a request, shares its work with the other ranks (prompt ids, sampling
-settings, seed, max tokens, stop strings, the logits processors' fields, as one JSON line over
-the group); they follow, running the same prefill and decode. After every token rank 0 shares
+settings, seed, max tokens, stop strings, the logits processors' fields, the DSpark settings,
+as one JSON line over the group); they follow, running the same prefill and decode (plain or
+speculative: DSpark's drafts and acceptance are agreed inside the decoding loop). After every token rank 0 shares
 whether the request was cancelled (its client went away), so every rank stops at the same
 token; stop strings are found alike on every rank (same tokens, same text)."""
 
@@ -41,7 +42,7 @@ class GroupEngine(Engine):
         return super().submit(prompt, settings)
 
     def _run(self, job: Job) -> Finish:
-        share_line(self.link, json.dumps(work_record(job)))
+        share_line(self.link, json.dumps({**work_record(job), "draft": self.draft}))
         return super()._run(job)
 
     def _is_cancelled(self, job: Job) -> bool:
@@ -67,7 +68,9 @@ class Follower(Engine):
     def follow(self) -> None:
         """Run rank 0's requests until it stops."""
         while (line := share_line(self.link, None)) is not None:
-            job = FollowerJob(json.loads(line), self.model, self.tokenizer)
+            record = json.loads(line)
+            self.draft = record["draft"]  # rank 0's: every rank runs the same decoding loop
+            job = FollowerJob(record, self.model, self.tokenizer)
             try:
                 with wired_limit(self.model):
                     self._run(job)

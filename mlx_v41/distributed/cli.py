@@ -41,9 +41,9 @@ def distributed_loader(args, drafts: bool = False):
             raise ValueError(f"{switch} runs the DSpark drafter {where} (drop --dspark)")
         if not drafting:
             options.pop("dspark", None)
-        # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the
-        # server refuse images across ranks).
-        options["vision"] = bool(getattr(args, "image", None)) and bool(args.pipeline)
+        # The vision tower loads on rank 0, and only for --image (chat and the server refuse
+        # images across ranks).
+        options["vision"] = bool(getattr(args, "image", None))
         if args.pipeline:
             model, tokenizer = start_pipeline(path, split=args.pipeline,
                                               timeout=args.distributed_timeout, **options)

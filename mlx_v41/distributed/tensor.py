@@ -103,8 +103,6 @@ class TensorParallelModel(Model):
     def __init__(self, args, link: Link, **options):
         if options.get("dspark"):
             raise ShardError("--tensor-parallel does not run the DSpark drafter (drop --dspark)")
-        if options.get("vision"):
-            raise ShardError("--tensor-parallel does not run the vision tower (no --image)")
         check_shardable(args.text_config, link.size)
         super().__init__(args, **options)
         self.link, self.rank = link, link.rank
@@ -166,6 +164,8 @@ def load_tensor_parallel(path, link: Link, **options):
     from ..checkpoint.source import load
 
     options.setdefault("dspark", False)
-    options.setdefault("vision", False)
+    # The vision tower (replicated weights, no split) loads on rank 0 only, which reads the
+    # images and shares each forward's span rows (`prompt.SharedImagePrompt`).
+    options["vision"] = bool(options.get("vision")) and link.rank == 0
     return load(path, build=lambda args, **kw: TensorParallelModel(args, link, **kw),
                 **options)

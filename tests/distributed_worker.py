@@ -93,6 +93,7 @@ def image_scenario(model, images) -> dict:
     mx.eval(out)
     values = {k: np.array(v) for k, v in out.items()}
     values["rows"] = np.array(len(prompt.ids))
+    values["records"] = np.array(json.dumps(prompt.records()))  # rank 0's, on every rank
     return values, sent
 
 

@@ -106,6 +106,8 @@ def test_image_prompt_over_a_pipeline_equals_one_process(tmp_path, capsys):
     assert reports[0]["ranges"] == [[0, 3], [3, 12]]
     assert [r["vision"] for r in reports] == [True, False]  # the tower on rank 0 only
     expected, _ = image_scenario(load_model(folder, dspark=False), images)
+    records = str(np.load(tmp_path / "out" / "logits.npz")["records"])
+    assert records == str(expected.pop("records"))  # rank 0's span records on rank 1
     check_exact(tmp_path / "out", expected)
     sent = reports[0]["sent"]  # one crossing per full prefill: the mask's bytes more
     assert sent["image_full_all"] - sent["text_full_all"] == int(expected["rows"]), sent
@@ -191,15 +193,25 @@ def test_killed_rank_ends_the_others(tmp_path, split):
 CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32"]  # chunked prompts: progress on stderr
 CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Grüße, 世界",  # UTF-8
                "/thinking on"]
-REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 6: "/image {tmp}/cat.png"}
+REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 7: "/image {tmp}/missing.png"}
 
 
-def one_process_chat(script, capsys, monkeypatch) -> str:
+def vision_chat(tmp_path: Path, script: list, at: int) -> tuple:
+    """The vision golden's checkpoint (small spans) and `script` with `/image` of a twin
+    image inserted at `at` (the next message carries it)."""
+    from vision_fixtures import SMALL_MIN_PIXELS, twin_images, vision_checkpoint
+
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
+    image = twin_images(tmp_path)[0]
+    return folder, script[:at] + [f"/image {image}"] + script[at:]
+
+
+def one_process_chat(script, capsys, monkeypatch, model: Path) -> str:
     import io
     from mlx_v41.cli.chat import main as chat_main
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in script)))
-    assert chat_main(["--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS]) == 0
+    assert chat_main(["--model", str(model), *CHAT_FLAGS]) == 0
     out, err = capsys.readouterr()
     assert "error" not in err, err
     return out
@@ -273,17 +285,18 @@ class Launched:
 def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         tmp_path, capsys, monkeypatch):
     """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline` fed on stdin: rank 0 alone prints, the
-    transcript is one process's (greedy; the cache rolled back by /thinking, reused, reset),
-    the commands a pipeline cannot run are refused in one line each and change nothing (the
-    one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's process group, as a
+    transcript is one process's (greedy; an `/image` turn on the vision golden's checkpoint,
+    whose span later turns reuse; the cache rolled back by /thinking, reused, reset), the
+    commands a pipeline cannot run, and an image rank 0 cannot read, are refused in one line
+    each and change nothing (the one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's process group, as a
     terminal sends it) while a long prompt is being prefilled ends every rank, soon, instead
     of leaving one waiting in a collective. (--tensor-parallel runs the same REPL code.)"""
-    expected = comparable(one_process_chat(CHAT_SCRIPT, capsys, monkeypatch))
-    script = list(CHAT_SCRIPT)
+    folder, script = vision_chat(tmp_path, CHAT_SCRIPT, 2)
+    expected = comparable(one_process_chat(script, capsys, monkeypatch, folder))
+    assert "attached to the next message" in expected
     for at, command in sorted(REFUSED.items(), reverse=True):
         script.insert(at, command.format(tmp=tmp_path))
-    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
-                    "--pipeline")
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", folder, *CHAT_FLAGS, "--pipeline")
     try:
         chat.send(script)
         chat.read_until(lambda c: c.out.endswith("[thinking on]\n") and
@@ -293,8 +306,9 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
                             (("/save", "prompt-cache files are not written or read across "
                                        "ranks yet"),
-                             ("/dspark", "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"),
-                             ("/image", "the chat does not share images across ranks yet"))]
+                             ("/dspark", "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"))] + [
+            f"error: {tmp_path}/missing.png: cannot read the image file (No such file or "
+            "directory)"]
         assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
@@ -309,13 +323,16 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
 
 def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
                                                                  monkeypatch):
-    """`--tensor-parallel`: the same reply as one process, a refusal naming the flag, and /quit
-    ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
-    expected = comparable(one_process_chat(["Hello"], capsys, monkeypatch))
+    """`--tensor-parallel`: the same reply to an `/image` turn as one process (the vision
+    golden's checkpoint: the tower on rank 0, its span rows shared), a refusal naming the flag,
+    and /quit ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
+    folder, script = vision_chat(tmp_path, ["Hello"], 0)
+    expected = comparable(one_process_chat(script, capsys, monkeypatch, folder))
     done = subprocess.run(
-        [*mlx_launch(2), "-m", "mlx_v41.chat",
-         "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
-        input=f"Hello\n/load {tmp_path}/none.bin\n/quit\n", cwd=ROOT, capture_output=True,
+        [*mlx_launch(2), "-m", "mlx_v41.chat", "--model", str(folder), *CHAT_FLAGS,
+         "--tensor-parallel"],
+        input="".join(f"{line}\n" for line in script) + f"/load {tmp_path}/none.bin\n/quit\n",
+        cwd=ROOT, capture_output=True,
         text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert comparable(done.stdout) == expected

@@ -191,8 +191,8 @@ def test_converted_shares_that_do_not_fit_the_packing_are_one_line():
 
 def test_image_prompt_under_tensor_parallel_equals_one_process(tmp_path, capsys):
     """The vision golden's checkpoint (tiny's text weights: whole 32-groups per rank) over 2
-    ranks: the tower on rank 0 alone, which shares the expanded ids and token types and each
-    call's span rows. Rank 1's logits of an image prompt (full prefill, chunked CED prefill
+    ranks: the tower on rank 0 alone, which shares the expanded ids, token types and span
+    records, and each call's span rows. Rank 1's logits of an image prompt (full prefill, chunked CED prefill
     with chunk boundaries inside the spans, decode steps) equal one process's bit for bit,
     and `generate --tensor-parallel --image` prints the one-process text."""
     from distributed_worker import generate_args, image_scenario
@@ -208,13 +208,15 @@ def test_image_prompt_under_tensor_parallel_equals_one_process(tmp_path, capsys)
     model = load_model(folder, dspark=False)
     expected, _ = image_scenario(model, images)
     got = np.load(tmp_path / "out" / "logits.npz")
+    assert str(got["records"]) == str(expected.pop("records"))  # rank 0's records on rank 1
     for name, value in expected.items():
         assert np.array_equal(got[name], value), (name, np.abs(got[name] - value).max())
-    # count, ids and types (int32), then the two spans' rows (bf16): IMAGE rows + delimiters
+    records = len(str(got["records"]).encode())
+    # id and image counts, the records' JSON line (its length, its bytes), ids and types
+    # (int32), then the two spans' rows (bf16): IMAGE rows and delimiters
     rows = int(expected["rows"])
-    spans = 2 * TWIN_SPAN
-    assert reports[0]["sent"]["image_shared"] == 4 + 2 * rows * 4 + \
-        spans * model.cfg.hidden_size * 2
+    assert reports[0]["sent"]["image_shared"] == 8 + 4 + records + 2 * rows * 4 + \
+        2 * TWIN_SPAN * model.cfg.hidden_size * 2
     assert generate_main([str(a) for a in generate_args(folder, images)]) == 0
     one = capsys.readouterr().out.split("=" * 10)[1]
     code, text = reports[0]["generate"]

@@ -41,9 +41,9 @@ def distributed_loader(args, drafts: bool = False):
             raise ValueError(f"{switch} runs the DSpark drafter {where} (drop --dspark)")
         if not drafting:
             options.pop("dspark", None)
-        # The vision tower loads on rank 0, and only for --image (chat and the server refuse
-        # images across ranks).
-        options["vision"] = bool(getattr(args, "image", None))
+        # The vision tower loads on rank 0: in mlx_v41.generate only for --image, in the chat
+        # and the server when the checkpoint has it (as in one process).
+        options["vision"] = bool(args.image) if hasattr(args, "image") else None
         if args.pipeline:
             model, tokenizer = start_pipeline(path, split=args.pipeline,
                                               timeout=args.distributed_timeout, **options)

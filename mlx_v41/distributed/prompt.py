@@ -5,6 +5,7 @@ tensor parallel every rank also gets the token types and, per forward, rank 0's 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -21,8 +22,9 @@ FAILED = -1  # the id count rank 0 shares when it could not prepare the prompt
 def prepare_shared_prompt(model, ids: Sequence[int], images: Optional[Sequence] = None
                           ) -> ImagePrompt:
     """`prepare_prompt` for any model; across ranks (`model.link`), rank 0's expanded ids on
-    every rank (the images on rank 0 only): two `all_sum`s, the count, then the int32 ids (under
-    tensor parallel the ids and the token types). ValueError on every rank when rank 0 failed."""
+    every rank (the images on rank 0 only): `all_sum`s of the id and image counts, then of the
+    int32 ids (under tensor parallel the ids and the token types); with images, their records as
+    one JSON line. ValueError on every rank when rank 0 failed."""
     link = getattr(model, "link", None)
     if link is None:
         return prepare_prompt(model, ids, images)
@@ -32,22 +34,33 @@ def prepare_shared_prompt(model, ids: Sequence[int], images: Optional[Sequence] 
             prompt = prepare_prompt(model, ids, images)
         except (ValueError, OSError) as e:
             error = e
-    count = (FAILED if error is not None else len(prompt.ids)) if link.rank == 0 else 0
-    total = int(link.all_sum(mx.array([count], mx.int32), "sharing the prompt").item())
+    head = [0, 0]  # rank 0's (id count, image count)
+    if link.rank == 0:
+        head = [FAILED, 0] if error is not None else [len(prompt.ids), len(prompt.starts)]
+    total, spans = link.all_sum(mx.array(head, mx.int32), "sharing the prompt").tolist()
     if total == FAILED:
         message = share_line(link, str(error).splitlines()[0] if error is not None else None)
         if error is not None:
             raise error
         raise ValueError(f"rank 0 could not prepare the prompt: {message}")
+    records = _share_records(link, prompt) if spans else []
     if getattr(model, "stage", None) is not None:  # a pipeline: the mask travels with the rows
         shared = _share_ints(link, prompt.ids if prompt else None, total)
-        return prompt if link.rank == 0 else ImagePrompt(shared, np.full(total, TEXT, np.int32))
+        return prompt if link.rank == 0 else \
+            SharedImagePrompt(shared, np.full(total, TEXT, np.int32), rank0_records=records)
     mine = None if prompt is None else list(prompt.ids) + prompt.token_types.tolist()
     shared = _share_ints(link, mine, 2 * total)
     if link.rank == 0:
         return SharedImagePrompt(prompt.ids, prompt.token_types, prompt.images, prompt.starts,
                                  link)
-    return SharedImagePrompt(shared[:total], np.array(shared[total:], np.int32), link=link)
+    return SharedImagePrompt(shared[:total], np.array(shared[total:], np.int32), link=link,
+                             rank0_records=records)
+
+
+def _share_records(link, prompt: Optional[ImagePrompt]) -> list:
+    """Rank 0's span records (start, length, pixels' sha256: what a prompt cache compares) on
+    every rank, as one JSON line."""
+    return json.loads(share_line(link, json.dumps(prompt.records()) if prompt else None))
 
 
 def _share_ints(link, values: Optional[list], count: int) -> list:
@@ -59,16 +72,21 @@ def _share_ints(link, values: Optional[list], count: int) -> list:
 
 @dataclass
 class SharedImagePrompt(ImagePrompt):
-    """Tensor parallel: every rank calls `inputs` together; rank 0 runs the tower, and the
-    rows of the call's span positions (IMAGE rows and delimiters, [n, hidden] bf16) reach
-    every rank by one `all_sum` (the others add zeros, so the sum is rank 0's bits)."""
+    """An `ImagePrompt` prepared by rank 0 of a group. On the other ranks `images` is empty and
+    `records()` are rank 0's. Under tensor parallel (`link` given) every rank calls `inputs`
+    together: rank 0 runs the tower, and the rows of the call's span positions (IMAGE rows and
+    delimiters, [n, hidden] bf16) reach every rank by one `all_sum` (the others add zeros)."""
 
     link: object = None
+    rank0_records: Optional[list] = None
+
+    def records(self) -> list:
+        return super().records() if self.rank0_records is None else self.rank0_records
 
     def inputs(self, model, begin: int = 0) -> Optional[ImageInputs]:
         types = self.token_types[begin:]
-        if not np.any(types >= 0):
-            return None
+        if self.link is None or not np.any(types >= 0):
+            return super().inputs(model, begin)
         if self.link.rank == 0:
             mine = span_rows(super().inputs(model, begin), model)
         else:

@@ -166,6 +166,6 @@ def load_tensor_parallel(path, link: Link, **options):
     options.setdefault("dspark", False)
     # The vision tower (replicated weights, no split) loads on rank 0 only, which reads the
     # images and shares each forward's span rows (`prompt.SharedImagePrompt`).
-    options["vision"] = bool(options.get("vision")) and link.rank == 0
+    options["vision"] = options.get("vision", False) if link.rank == 0 else False
     return load(path, build=lambda args, **kw: TensorParallelModel(args, link, **kw),
                 **options)

@@ -370,30 +370,40 @@ def _wait_for_health(server: Launched, port: int) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_server_over_a_pipeline_equals_one_process(tmp_path):
-    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline`: rank 0 serves raw HTTP, and the
-    replies (greedy; seeded sampling with a penalty and a stop string) are one process's. A
-    client that disconnects mid-stream cancels on every rank (the next reply is still one
-    process's); logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
+    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline` on the vision golden's checkpoint:
+    rank 0 serves raw HTTP, and the replies (greedy; seeded sampling with a penalty and a stop
+    string; greedy with an image part, decoded and run through the tower on rank 0) are one
+    process's. A client that disconnects mid-stream cancels on every rank (the next reply is
+    still one process's); logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every
+    rank."""
     import http.client
     import signal
 
-    from server_harness import LiveServer, post, tiny
+    import mlx_v41
+    from server_harness import LiveServer, post
+    from test_server_vision import image_message
+    from vision_fixtures import SMALL_MIN_PIXELS, TWIN_SPAN, twin_images, vision_checkpoint
 
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
     greedy = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
               "temperature": 0}
     sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
                "max_tokens": 8, "stop": ["ll"]}
-    one = LiveServer(*tiny(), cache_bytes=0)
+    image = {**greedy, "messages": [image_message("Which is red?", twin_images(tmp_path)[0])]}
+    bodies = (greedy, image, sampled)
+    one = LiveServer(*mlx_v41.load(folder, dspark=False), cache_bytes=0)
     try:
-        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in (greedy, sampled)]
+        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in bodies]
     finally:
         one.close()
+    assert expected[1]["usage"]["prompt_tokens"] > expected[0]["usage"]["prompt_tokens"] + \
+        TWIN_SPAN
     port = _free_ports(1)[0]
-    server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
+    server = Launched(2, "-m", "mlx_v41.server", "--model", folder,
                       "--port", port, "--pipeline", "--log-level", "WARNING")
     try:
         _wait_for_health(server, port)
-        for body, want in zip((greedy, sampled), expected):
+        for body, want in zip(bodies, expected):
             status, got = post(port, "/v1/chat/completions", body)
             assert status == 200, got
             assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])

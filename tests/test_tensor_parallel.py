@@ -221,3 +221,24 @@ def test_image_prompt_under_tensor_parallel_equals_one_process(tmp_path, capsys)
     one = capsys.readouterr().out.split("=" * 10)[1]
     code, text = reports[0]["generate"]
     assert code == 0 and text.split("=" * 10)[1] == one, text
+
+
+def test_a_followers_prompt_rebuilds_the_token_types(tmp_path):
+    """What the server's work line carries of the images (each span's start and grid, through
+    JSON) rebuilds rank 0's token types on another rank under tensor parallel (its `inputs`
+    then take rank 0's rows); under a pipeline the prompt is all text (no tower there)."""
+    from mlx_v41.distributed.prompt import followed_prompt, span_grids
+    from mlx_v41.model.vision.prompt import prepare_prompt
+    from vision_fixtures import (SMALL_MIN_PIXELS, TWIN_SPAN, prompt_before_expansion,
+                                 twin_images, vision_checkpoint)
+
+    model = load_model(vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS), dspark=False)
+    prompt = prepare_prompt(model, prompt_before_expansion(), twin_images(tmp_path))
+    grids = json.loads(json.dumps(span_grids(prompt)))
+    tensor = followed_prompt(SimpleNamespace(link=fake_link(1, 2)), prompt.ids, grids)
+    assert tensor.ids == prompt.ids and tensor.link.rank == 1
+    assert np.array_equal(tensor.token_types, prompt.token_types)
+    assert (prompt.token_types >= 0).sum() == 2 * TWIN_SPAN  # two spans
+    pipeline = followed_prompt(SimpleNamespace(link=fake_link(1, 2), stage=object()),
+                               prompt.ids, grids)
+    assert pipeline.ids == prompt.ids and pipeline.inputs(model) is None

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.vision.prompt import ImagePrompt, delimiters, prepare_prompt
-from ..model.vision.spans import TEXT, ImageInputs
+from ..model.vision.spans import TEXT, ImageInputs, span_types
 from .lines import share_line
 
 FAILED = -1  # the id count rank 0 shares when it could not prepare the prompt
@@ -51,10 +51,38 @@ def prepare_shared_prompt(model, ids: Sequence[int], images: Optional[Sequence] 
     mine = None if prompt is None else list(prompt.ids) + prompt.token_types.tolist()
     shared = _share_ints(link, mine, 2 * total)
     if link.rank == 0:
-        return SharedImagePrompt(prompt.ids, prompt.token_types, prompt.images, prompt.starts,
-                                 link)
+        return leading_prompt(model, prompt)
     return SharedImagePrompt(shared[:total], np.array(shared[total:], np.int32), link=link,
                              rank0_records=records)
+
+
+def leading_prompt(model, prompt: ImagePrompt) -> ImagePrompt:
+    """Rank 0's `prompt` as the ranks run it: under tensor parallel its `inputs` shares the
+    span rows; under a pipeline as it is."""
+    if getattr(model, "stage", None) is not None:
+        return prompt
+    return SharedImagePrompt(prompt.ids, prompt.token_types, prompt.images, prompt.starts,
+                             model.link)
+
+
+def span_grids(prompt: ImagePrompt) -> list:
+    """[start, llm_h, llm_w] of each image span: what another rank needs to rebuild the token
+    types (`followed_prompt`)."""
+    return [[start, image.grid.llm_h, image.grid.llm_w]
+            for start, image in zip(prompt.starts, prompt.images)]
+
+
+def followed_prompt(model, ids: list, grids: list) -> ImagePrompt:
+    """Rank 0's prompt on another rank, from its expanded ids and `span_grids`: under a
+    pipeline all text (the mask comes with the rows); under tensor parallel with the token
+    types, and `inputs` takes rank 0's span rows."""
+    types = np.full(len(ids), TEXT, np.int32)
+    if getattr(model, "stage", None) is not None:
+        return SharedImagePrompt(list(ids), types)
+    for start, llm_h, llm_w in grids:
+        span = span_types(llm_h, llm_w)
+        types[start:start + len(span)] = span
+    return SharedImagePrompt(list(ids), types, link=model.link)
 
 
 def _share_records(link, prompt: Optional[ImagePrompt]) -> list:

@@ -1,9 +1,8 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
-HTTP and, before running a request, shares its work with the other ranks (prompt ids, sampling
-settings, seed, max tokens, stop strings, the logits processors' fields, as one JSON line over
-the group); they follow, running the same prefill and decode. After every token rank 0 shares
-whether the request was cancelled (its client went away), so every rank stops at the same
-token; stop strings are found alike on every rank (same tokens, same text)."""
+HTTP and shares each request's work (prompt ids, each image span's start and grid, sampling
+settings, seed, max tokens, stop strings, logits processors' fields) as one JSON line; the other
+ranks run the same prefill and decode, and after every token learn whether it was cancelled.
+Rank 0 alone decodes the images and runs the tower (`distributed.prompt`)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ from dataclasses import asdict
 import mlx.core as mx
 
 from ..distributed.lines import share_line
+from ..distributed.prompt import followed_prompt, leading_prompt, span_grids
 from ..generation.api import wired_limit
-from ..model.vision.prompt import prepare_prompt
 from .engine import Engine, Finish, Job, Settings
 from .processors import processors_from
 from .protocol import RequestError
@@ -42,6 +41,7 @@ class GroupEngine(Engine):
 
     def _run(self, job: Job) -> Finish:
         share_line(self.link, json.dumps(work_record(job)))
+        job.prompt = leading_prompt(self.model, job.prompt)  # the tower's rows for the others
         return super()._run(job)
 
     def _is_cancelled(self, job: Job) -> bool:
@@ -77,7 +77,7 @@ class Follower(Engine):
 
 def work_record(job: Job) -> dict:
     settings = {k: v for k, v in asdict(job.settings).items() if k != "processors"}
-    return {"ids": list(job.prompt.ids), "settings": settings}
+    return {"ids": list(job.prompt.ids), "spans": span_grids(job.prompt), "settings": settings}
 
 
 class FollowerJob(Job):
@@ -86,7 +86,8 @@ class FollowerJob(Job):
     def __init__(self, record: dict, model, tokenizer):
         settings = Settings(**record["settings"])
         settings.processors = processors_from(settings.processor_fields, tokenizer)
-        self.prompt, self.settings = prepare_prompt(model, record["ids"]), settings
+        self.prompt = followed_prompt(model, record["ids"], record["spans"])
+        self.settings = settings
         self.cancelled, self.finish = threading.Event(), None
 
     def put(self, item) -> None:

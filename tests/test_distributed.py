@@ -164,20 +164,26 @@ def _free_ports(n: int) -> list:
     return ports
 
 
-@pytest.mark.parametrize("split", ["auto", "tensor"])
-def test_killed_rank_ends_the_others(tmp_path, split):
-    """Two ranks started by hand (no launcher to clean up): rank 1 kills itself during
-    decoding; rank 0 must exit by itself, soon, with one line naming rank 1 (pipeline and
-    tensor parallel)."""
+def by_hand(tmp_path, *command) -> list:
+    """Two ranks started without a launcher (nothing else to clean up or to end them)."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
-        procs.append(subprocess.Popen(
-            [sys.executable, WORKER, golden_checkpoint("tiny"), split, tmp_path / "out",
-             "--kill-rank", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, *map(str, command)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+@pytest.mark.parametrize("split", ["auto", "tensor"])
+def test_killed_rank_ends_the_others(tmp_path, split):
+    """Rank 1 kills itself during decoding; rank 0 must exit by itself, soon, with one line
+    naming rank 1 (pipeline and tensor parallel)."""
+    procs = by_hand(tmp_path, WORKER, golden_checkpoint("tiny"), split, tmp_path / "out",
+                    "--kill-rank", "1")
     tic = time.monotonic()
     _, err = procs[0].communicate(timeout=TIMEOUT)
     procs[1].wait(timeout=TIMEOUT)
@@ -186,6 +192,46 @@ def test_killed_rank_ends_the_others(tmp_path, split):
     lines = [ln for ln in err.splitlines() if "lost rank 1" in ln]
     assert len(lines) == 1 and lines[0].startswith("rank 0: lost rank 1 while"), err
     assert time.monotonic() - tic < 60
+
+
+@pytest.mark.parametrize("switch", ["--pipeline", "--tensor-parallel"])
+def test_stuck_rank_ends_the_others(tmp_path, switch):
+    """`mlx_v41.generate` on two ranks; rank 1 is stopped (alive, but it never answers again)
+    once rank 0 streams text: rank 0 ends within --distributed-timeout of its last progress,
+    with one line, instead of waiting in a collective forever."""
+    import signal
+    import threading
+
+    timeout = 8
+    procs = by_hand(tmp_path, "-m", "mlx_v41.generate", "--model", golden_checkpoint("tiny"),
+                    "-m", "400", "-p", "Hello", switch, "--distributed-timeout", timeout)
+    streamed = threading.Event()
+    chars = []
+
+    def read():
+        while ch := procs[0].stdout.read(1):
+            chars.append(ch)
+            if len(chars) > 20:
+                streamed.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert streamed.wait(TIMEOUT), procs[0].stderr.read()
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        tic = time.monotonic()
+        procs[0].wait(timeout + 30)
+        waited = time.monotonic() - tic
+        err = procs[0].stderr.read()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    assert procs[0].returncode == 1, err
+    lines = [ln for ln in err.splitlines() if "no progress" in ln]
+    assert lines == [f"mlx_v41: rank 0: no progress from the group for {timeout} s while "
+                     "generating a reply: a rank is stuck or the link is down "
+                     "(--distributed-timeout)"], err
+    assert timeout - 1 < waited
 
 
 # ---------------------------------------------------------------- mlx_v41.chat over the ranks

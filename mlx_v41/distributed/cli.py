@@ -17,7 +17,8 @@ def add_distributed_arguments(parser) -> None:
                         help="tensor parallel over the ranks mlx.launch started: every layer's "
                              "attention heads and experts split over the ranks")
     parser.add_argument("--distributed-timeout", type=float, default=None, metavar="S",
-                        help="seconds to wait for the other ranks at startup (default 900)")
+                        help="seconds to wait for the other ranks at startup, and for progress "
+                             "while a prompt or reply runs (default 900)")
 
 
 def distributed_loader(args, drafts: bool = False):

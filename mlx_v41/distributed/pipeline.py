@@ -353,6 +353,9 @@ class PipelineModel(Model):
             return mx.zeros((hidden.shape[0], rows, self.cfg.vocab_size), mx.float32)
         return super().head(hidden, last_only)
 
+    def busy(self, what: str):
+        return self.link.watchdog.busy(what)
+
     def agree_on_token(self, token: mx.array) -> mx.array:
         """The last rank's sampled token on every rank: one int32 per row is reduced instead
         of the logits (every rank still runs the sampler, so their random keys stay alike)."""

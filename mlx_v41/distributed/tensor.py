@@ -115,12 +115,18 @@ class TensorParallelModel(Model):
     def forward(self, *args, **kwargs):
         """`Model.forward`; a collective that failed inside it (a rank lost) raises one
         DistributedError line (one evaluated later, by the caller, raises MLX's error)."""
+        self.link.watchdog.beat()  # the previous call's reductions were evaluated
+        if kwargs.get("step_size"):  # a prefill: each evaluated chunk is progress too
+            kwargs["progress"] = self.link.watchdog.beating(kwargs.get("progress"))
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as e:
             if not is_backend_error(e):
                 raise
             raise self.link.lost(e, "computing a layer") from None
+
+    def busy(self, what: str):
+        return self.link.watchdog.busy(what)
 
     def _shard_attention(self, path: str, attn) -> None:
         cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of

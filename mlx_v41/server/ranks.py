@@ -1,8 +1,7 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
-HTTP and shares each request's work (prompt ids, each image span's start and grid, sampling
-settings, seed, max tokens, stop strings, logits processors' fields) as one JSON line; the other
-ranks run the same prefill and decode, and after every token learn whether it was cancelled.
-Rank 0 alone decodes the images and runs the tower (`distributed.prompt`)."""
+HTTP, decodes the images, and shares each request's work (ids, image spans' grids, settings,
+stop strings, processors' fields) as one JSON line; the other ranks run the same prefill and
+decode, and after every token learn whether the request was cancelled."""
 
 from __future__ import annotations
 

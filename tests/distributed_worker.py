@@ -64,15 +64,18 @@ IMAGE_CHUNK = 7  # puts chunk boundaries inside the image span
 def image_scenario(model, images) -> dict:
     """Logits of an image prompt (the vision golden's ids, one placeholder): a full prefill
     (every row), a chunked CED prefill and greedy decode steps after it; and the bytes rank 0
-    sends for the full prefill with and without the images."""
+    sends for the full prefill with and without the images, and its all_sum bytes sharing the
+    prompt and the first call's image rows."""
     from mlx_v41.distributed.prompt import prepare_shared_prompt
     from vision_fixtures import prompt_before_expansion
 
-    prompt = prepare_shared_prompt(model, prompt_before_expansion(), images)
-    ids = mx.array([prompt.ids], mx.int32)
     link = getattr(model, "link", None)
-    out, sent = {}, {}
-    for name, given in (("image_full_all", prompt.inputs(model)), ("text_full_all", None)):
+    before = link.reduced if link else 0
+    prompt = prepare_shared_prompt(model, prompt_before_expansion(), images)
+    inputs = prompt.inputs(model)
+    out, sent = {}, {"image_shared": (link.reduced if link else 0) - before}
+    ids = mx.array([prompt.ids], mx.int32)
+    for name, given in (("image_full_all", inputs), ("text_full_all", None)):
         before = link.sent if link else 0
         out[name] = model(ids, model.make_cache(), images=given)
         mx.eval(out[name])
@@ -90,6 +93,7 @@ def image_scenario(model, images) -> dict:
     mx.eval(out)
     values = {k: np.array(v) for k, v in out.items()}
     values["rows"] = np.array(len(prompt.ids))
+    values["records"] = np.array(json.dumps(prompt.records()))  # rank 0's, on every rank
     return values, sent
 
 
@@ -138,7 +142,8 @@ def main() -> int:
 
     def load(mode, **options):
         if tensor:
-            models[mode], _ = start_tensor_parallel(checkpoint, prefill_mode=mode, timeout=20)
+            models[mode], _ = start_tensor_parallel(checkpoint, prefill_mode=mode, timeout=20,
+                                                    **options)
         else:
             models[mode], _ = start_pipeline(checkpoint, split=args.split, prefill_mode=mode,
                                              timeout=20, **options)
@@ -160,8 +165,8 @@ def main() -> int:
         from mlx_v41.cli.generate import main as generate_main
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
-            code = generate_main(generate_args(checkpoint, args.image) + ["--pipeline",
-                                                                         args.split])
+            mode = ["--tensor-parallel"] if tensor else ["--pipeline", args.split]
+            code = generate_main(generate_args(checkpoint, args.image) + mode)
         args.out.mkdir(parents=True, exist_ok=True)
         report = {"ranges": model.ranges, "sent": sent, "vision": "vision" in model,
                   "generate": [code, text.getvalue()]}

@@ -107,6 +107,8 @@ def test_image_prompt_over_a_pipeline_equals_one_process(tmp_path, capsys):
     assert reports[0]["ranges"] == [[0, 3], [3, 12]]
     assert [r["vision"] for r in reports] == [True, False]  # the tower on rank 0 only
     expected, _ = image_scenario(load_model(folder, dspark=False), images)
+    records = str(np.load(tmp_path / "out" / "logits.npz")["records"])
+    assert records == str(expected.pop("records"))  # rank 0's span records on rank 1
     check_exact(tmp_path / "out", expected)
     sent = reports[0]["sent"]  # one crossing per full prefill: the mask's bytes more
     assert sent["image_full_all"] - sent["text_full_all"] == int(expected["rows"]), sent
@@ -163,20 +165,26 @@ def _free_ports(n: int) -> list:
     return ports
 
 
-@pytest.mark.parametrize("split", ["auto", "tensor"])
-def test_killed_rank_ends_the_others(tmp_path, split):
-    """Two ranks started by hand (no launcher to clean up): rank 1 kills itself during
-    decoding; rank 0 must exit by itself, soon, with one line naming rank 1 (pipeline and
-    tensor parallel)."""
+def by_hand(tmp_path, *command) -> list:
+    """Two ranks started without a launcher (nothing else to clean up or to end them)."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank))
-        procs.append(subprocess.Popen(
-            [sys.executable, WORKER, golden_checkpoint("tiny"), split, tmp_path / "out",
-             "--kill-rank", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, *map(str, command)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+@pytest.mark.parametrize("split", ["auto", "tensor"])
+def test_killed_rank_ends_the_others(tmp_path, split):
+    """Rank 1 kills itself during decoding; rank 0 must exit by itself, soon, with one line
+    naming rank 1 (pipeline and tensor parallel)."""
+    procs = by_hand(tmp_path, WORKER, golden_checkpoint("tiny"), split, tmp_path / "out",
+                    "--kill-rank", "1")
     tic = time.monotonic()
     _, err = procs[0].communicate(timeout=TIMEOUT)
     procs[1].wait(timeout=TIMEOUT)
@@ -187,21 +195,71 @@ def test_killed_rank_ends_the_others(tmp_path, split):
     assert time.monotonic() - tic < 60
 
 
+@pytest.mark.parametrize("switch", ["--pipeline", "--tensor-parallel"])
+def test_stuck_rank_ends_the_others(tmp_path, switch):
+    """`mlx_v41.generate` on two ranks; rank 1 is stopped (alive, but it never answers again)
+    once rank 0 streams text: rank 0 ends within --distributed-timeout of its last progress,
+    with one line, instead of waiting in a collective forever."""
+    import signal
+    import threading
+
+    timeout = 8
+    procs = by_hand(tmp_path, "-m", "mlx_v41.generate", "--model", golden_checkpoint("tiny"),
+                    "-m", "400", "-p", "Hello", switch, "--distributed-timeout", timeout)
+    streamed = threading.Event()
+    chars = []
+
+    def read():
+        while ch := procs[0].stdout.read(1):
+            chars.append(ch)
+            if len(chars) > 20:
+                streamed.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert streamed.wait(TIMEOUT), procs[0].stderr.read()
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        tic = time.monotonic()
+        procs[0].wait(timeout + 30)
+        waited = time.monotonic() - tic
+        err = procs[0].stderr.read()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    assert procs[0].returncode == 1, err
+    lines = [ln for ln in err.splitlines() if "no progress" in ln]
+    assert lines == [f"mlx_v41: rank 0: no progress from the group for {timeout} s while "
+                     "generating a reply: a rank is stuck or the link is down "
+                     "(--distributed-timeout)"], err
+    assert timeout - 1 < waited
+
+
 # ---------------------------------------------------------------- mlx_v41.chat over the ranks
 
 # Chunked prompts (progress on stderr); the drafter loaded, switched on by `/dspark on`.
 CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32", "--dspark"]
 CHAT_SCRIPT = ["Hello", "/thinking off", "/dspark on", "Again", "/stats", "/reset",
                "Grüße, 世界", "/thinking on"]  # UTF-8
-REFUSED = {2: "/save {tmp}/session.bin", 7: "/image {tmp}/cat.png"}
+REFUSED = {2: "/save {tmp}/session.bin", 8: "/image {tmp}/missing.png"}
 
 
-def one_process_chat(script, capsys, monkeypatch) -> str:
+def vision_chat(tmp_path: Path, script: list, at: int) -> tuple:
+    """The vision golden's checkpoint (small spans) and `script` with `/image` of a twin
+    image inserted at `at` (the next message carries it)."""
+    from vision_fixtures import SMALL_MIN_PIXELS, twin_images, vision_checkpoint
+
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
+    image = twin_images(tmp_path)[0]
+    return folder, script[:at] + [f"/image {image}"] + script[at:]
+
+
+def one_process_chat(script, capsys, monkeypatch, model: Path) -> str:
     import io
     from mlx_v41.cli.chat import main as chat_main
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in script)))
-    assert chat_main(["--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS]) == 0
+    assert chat_main(["--model", str(model), *CHAT_FLAGS]) == 0
     out, err = capsys.readouterr()
     assert "error" not in err, err
     return out
@@ -275,19 +333,21 @@ class Launched:
 def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         tmp_path, capsys, monkeypatch):
     """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline --dspark` fed on stdin: rank 0 alone
-    prints, the transcript is one process's (greedy; the cache rolled back by /thinking,
-    reused, reset; DSpark switched on by /dspark, its draft counts in /stats),
-    the commands a pipeline cannot run are refused in one line each and change nothing (the
-    one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's process group, as a
-    terminal sends it) while a long prompt is being prefilled ends every rank, soon, instead
-    of leaving one waiting in a collective. (--tensor-parallel runs the same REPL code.)"""
-    expected = comparable(one_process_chat(CHAT_SCRIPT, capsys, monkeypatch))
+    prints, the transcript is one process's (greedy; an `/image` turn on the vision golden's
+    checkpoint, whose span later turns reuse, decoded by DSpark switched on by /dspark, its
+    draft counts in /stats; the cache rolled back by /thinking, reused, reset), the commands a
+    pipeline cannot run, and an image rank 0 cannot read, are refused in one line each and
+    change nothing (the one-process script lacks them). Then Ctrl-C (SIGINT to the launcher's
+    process group, as a terminal sends it) while a long prompt is being prefilled ends every
+    rank, soon, instead of leaving one waiting in a collective. (--tensor-parallel runs the
+    same REPL code.)"""
+    folder, script = vision_chat(tmp_path, CHAT_SCRIPT, 2)
+    expected = comparable(one_process_chat(script, capsys, monkeypatch, folder))
+    assert "attached to the next message" in expected
     assert "[dspark on]" in expected and "drafts: " in expected
-    script = list(CHAT_SCRIPT)
     for at, command in sorted(REFUSED.items(), reverse=True):
         script.insert(at, command.format(tmp=tmp_path))
-    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
-                    "--pipeline")
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", folder, *CHAT_FLAGS, "--pipeline")
     try:
         chat.send(script)
         chat.read_until(lambda c: c.out.endswith("[thinking on]\n") and
@@ -296,8 +356,9 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
         assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
                             (("/save", "prompt-cache files are not written or read across "
-                                       "ranks yet"),
-                             ("/image", "the chat does not share images across ranks yet"))]
+                                       "ranks yet"),)] + [
+            f"error: {tmp_path}/missing.png: cannot read the image file (No such file or "
+            "directory)"]
         assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
@@ -312,16 +373,17 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
 
 def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
                                                                  monkeypatch):
-    """`--tensor-parallel`: the same replies as one process (plain, then DSpark with its draft
-    counts in /stats), a refusal naming the flag, and /quit ends every rank with status 0
-    (mlx.launch never passes the end of its stdin on)."""
-    script = ["Hello", "/dspark on", "Again", "/stats"]
-    expected = comparable(one_process_chat(script, capsys, monkeypatch))
+    """`--tensor-parallel`: the same replies as one process to an `/image` turn (the vision
+    golden's checkpoint: the tower on rank 0, its span rows shared), then to a DSpark turn (its
+    draft counts in /stats), a refusal naming the flag, and /quit ends every rank with status
+    0 (mlx.launch never passes the end of its stdin on)."""
+    folder, script = vision_chat(tmp_path, ["Hello", "/dspark on", "Again", "/stats"], 0)
+    expected = comparable(one_process_chat(script, capsys, monkeypatch, folder))
     assert "drafts: " in expected
     done = subprocess.run(
-        [*mlx_launch(2), "-m", "mlx_v41.chat",
-         "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
-        input="".join(f"{line}\n" for line in script + [f"/load {tmp_path}/none.bin", "/quit"]),
+        [*mlx_launch(2), "-m", "mlx_v41.chat", "--model", str(folder), *CHAT_FLAGS,
+         "--tensor-parallel"],
+        input="".join(f"{line}\n" for line in script) + f"/load {tmp_path}/none.bin\n/quit\n",
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert comparable(done.stdout) == expected
@@ -359,37 +421,40 @@ def _wait_for_health(server: Launched, port: int) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_server_over_a_pipeline_equals_one_process(tmp_path):
-    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline --dspark`: rank 0 serves raw HTTP, and
-    the replies (greedy, which is plain greedy's; seeded sampling with a penalty and a stop
-    string) are one drafting process's. A client that disconnects mid-stream cancels on every
-    rank (the next reply is still one process's); logprobs are refused under a pipeline;
-    Ctrl-C on rank 0 stops every rank."""
+    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline --dspark` on the vision golden's
+    checkpoint: rank 0 serves raw HTTP, and the replies (greedy; seeded sampling with a penalty
+    and a stop string; greedy with an image part, decoded and run through the tower on rank 0)
+    are one drafting process's. A client that disconnects mid-stream cancels on every rank
+    (the next reply is still one process's); logprobs are refused under a pipeline; Ctrl-C on
+    rank 0 stops every rank."""
     import http.client
     import signal
 
     import mlx_v41
-    from server_harness import LiveServer, post, tiny
+    from server_harness import LiveServer, post
+    from test_server_vision import image_message
+    from vision_fixtures import SMALL_MIN_PIXELS, TWIN_SPAN, twin_images, vision_checkpoint
 
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
     greedy = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
               "temperature": 0}
     sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
                "max_tokens": 8, "stop": ["ll"]}
-    one = LiveServer(*mlx_v41.load(golden_checkpoint("tiny"), dspark=True), cache_bytes=0,
-                     draft="dspark")
-    plain = LiveServer(*tiny(), cache_bytes=0)
+    image = {**greedy, "messages": [image_message("Which is red?", twin_images(tmp_path)[0])]}
+    bodies = (greedy, image, sampled)
+    one = LiveServer(*mlx_v41.load(folder, dspark=True), cache_bytes=0, draft="dspark")
     try:
-        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in (greedy, sampled)]
-        assert expected[0]["choices"] == post(plain.port, "/v1/chat/completions",
-                                              greedy)[1]["choices"]
+        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in bodies]
     finally:
         one.close()
-        plain.close()
+    assert expected[1]["usage"]["prompt_tokens"] > expected[0]["usage"]["prompt_tokens"] + \
+        TWIN_SPAN
     port = _free_ports(1)[0]
-    server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
+    server = Launched(2, "-m", "mlx_v41.server", "--model", folder,
                       "--port", port, "--pipeline", "--dspark", "--log-level", "WARNING")
     try:
         _wait_for_health(server, port)
-        for body, want in zip((greedy, sampled), expected):
+        for body, want in zip(bodies, expected):
             status, got = post(port, "/v1/chat/completions", body)
             assert status == 200, got
             assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])

@@ -130,13 +130,10 @@ def test_an_axis_that_does_not_split_is_one_line(field, value, size, message):
         check_shardable(cfg, size, drafter=True)
 
 
-def test_heads_over_three_ranks_and_vision_refused():
+def test_heads_over_three_ranks_is_one_line():
     with pytest.raises(ShardError, match="^--tensor-parallel: num_attention_heads = 4 does "
                                          "not split over 3 ranks"):
         load_share(golden_checkpoint("tiny"), 0, 3)
-    with pytest.raises(ShardError, match="does not run the vision tower"):
-        load_model(golden_checkpoint("tiny"), dspark=False, vision=True,
-                   build=lambda args, **kw: TensorParallelModel(args, fake_link(0, 2), **kw))
 
 
 def _wide_checkpoint(folder: Path) -> Path:
@@ -208,3 +205,58 @@ def test_converted_shares_that_do_not_fit_the_packing_are_one_line():
         slicing.converted(share, "scales", SimpleNamespace(bits=4, group_size=128), "w")
     with pytest.raises(CheckpointError, match="tensor w: 6-bit words do not split"):
         slicing.converted(share, "weight", SimpleNamespace(bits=6, group_size=64), "w")
+
+
+def test_image_prompt_under_tensor_parallel_equals_one_process(tmp_path, capsys):
+    """The vision golden's checkpoint (tiny's text weights: whole 32-groups per rank) over 2
+    ranks: the tower on rank 0 alone, which shares the expanded ids, token types and span
+    records, and each call's span rows. Rank 1's logits of an image prompt (full prefill, chunked CED prefill
+    with chunk boundaries inside the spans, decode steps) equal one process's bit for bit,
+    and `generate --tensor-parallel --image` prints the one-process text."""
+    from distributed_worker import generate_args, image_scenario
+    from vision_fixtures import SMALL_MIN_PIXELS, TWIN_SPAN, twin_images, vision_checkpoint
+
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
+    images = twin_images(tmp_path)  # the prompt has two placeholders
+    result = launch(2, "tests/distributed_worker.py", folder, "tensor", tmp_path / "out",
+                    "--image", images[0], "--image", images[1])
+    assert (tmp_path / "out" / "logits.npz").is_file(), result.stdout + result.stderr
+    reports = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["vision"] for r in reports] == [True, False]  # the tower on rank 0 only
+    model = load_model(folder, dspark=False)
+    expected, _ = image_scenario(model, images)
+    got = np.load(tmp_path / "out" / "logits.npz")
+    assert str(got["records"]) == str(expected.pop("records"))  # rank 0's records on rank 1
+    for name, value in expected.items():
+        assert np.array_equal(got[name], value), (name, np.abs(got[name] - value).max())
+    records = len(str(got["records"]).encode())
+    # id and image counts, the records' JSON line (its length, its bytes), ids and types
+    # (int32), then the two spans' rows (bf16): IMAGE rows and delimiters
+    rows = int(expected["rows"])
+    assert reports[0]["sent"]["image_shared"] == 8 + 4 + records + 2 * rows * 4 + \
+        2 * TWIN_SPAN * model.cfg.hidden_size * 2
+    assert generate_main([str(a) for a in generate_args(folder, images)]) == 0
+    one = capsys.readouterr().out.split("=" * 10)[1]
+    code, text = reports[0]["generate"]
+    assert code == 0 and text.split("=" * 10)[1] == one, text
+
+
+def test_a_followers_prompt_rebuilds_the_token_types(tmp_path):
+    """What the server's work line carries of the images (each span's start and grid, through
+    JSON) rebuilds rank 0's token types on another rank under tensor parallel (its `inputs`
+    then take rank 0's rows); under a pipeline the prompt is all text (no tower there)."""
+    from mlx_v41.distributed.prompt import followed_prompt, span_grids
+    from mlx_v41.model.vision.prompt import prepare_prompt
+    from vision_fixtures import (SMALL_MIN_PIXELS, TWIN_SPAN, prompt_before_expansion,
+                                 twin_images, vision_checkpoint)
+
+    model = load_model(vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS), dspark=False)
+    prompt = prepare_prompt(model, prompt_before_expansion(), twin_images(tmp_path))
+    grids = json.loads(json.dumps(span_grids(prompt)))
+    tensor = followed_prompt(SimpleNamespace(link=fake_link(1, 2)), prompt.ids, grids)
+    assert tensor.ids == prompt.ids and tensor.link.rank == 1
+    assert np.array_equal(tensor.token_types, prompt.token_types)
+    assert (prompt.token_types >= 0).sum() == 2 * TWIN_SPAN  # two spans
+    pipeline = followed_prompt(SimpleNamespace(link=fake_link(1, 2), stage=object()),
+                               prompt.ids, grids)
+    assert pipeline.ids == prompt.ids and pipeline.inputs(model) is None

@@ -138,7 +138,12 @@ class ChatSession:
         """The rendered conversation with its images (read from their blocks)."""
         conversation = self.conversation()
         ids = self.tokenizer.encode_chat(conversation, self.thinking, self.reasoning_effort)
-        return prepare_prompt(self.model, ids, cf.collect_images(conversation))
+        return self.prepare(ids, cf.collect_images(conversation))
+
+    def prepare(self, ids: list, images: list) -> ImagePrompt:
+        """The placeholders of `ids` expanded with `images` (a session across ranks shares
+        rank 0's)."""
+        return prepare_prompt(self.model, ids, images)
 
     def reply(self, text: str, images: Sequence = ()) -> Iterator[GenerationResponse]:
         """Add a user message (after the attached images and `images`: paths, URLs, data URIs,

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from .args import ArgumentParser, add_model_arguments, decode_settings
 from ..checkpoint.source import load
 from ..chat.session import DEFAULT_MAX_TOKENS, ChatSession, format_stats
+from ..distributed.chat import SharedChatSession
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..distributed.link import DistributedError, is_backend_error
 
@@ -46,8 +47,7 @@ HELP = """commands:
 
 # The commands the ranks of a group cannot run yet, and why.
 FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
-REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS,
-                        "/image": "the chat does not share images across ranks yet"}
+REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS}
 
 
 @dataclass
@@ -226,12 +226,11 @@ def main(argv=None) -> int:
         model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
                                   head_dtype=args.head_dtype)
         ranks = group_ranks(args, model)
-        session = ChatSession(model, tokenizer, system_prompt=args.system_prompt,
-                              thinking=args.thinking, reasoning_effort=args.reasoning_effort,
-                              max_tokens=args.max_tokens,
-                              prefill_step_size=args.prefill_step_size,
-                              show_progress=ranks is None or ranks.rank == 0,
-                              **decode_settings(args))
+        kind = ChatSession if ranks is None else SharedChatSession  # rank 0 reads images
+        session = kind(model, tokenizer, system_prompt=args.system_prompt,
+                       thinking=args.thinking, reasoning_effort=args.reasoning_effort,
+                       max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
+                       show_progress=ranks is None or ranks.rank == 0, **decode_settings(args))
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130

@@ -17,7 +17,8 @@ def add_distributed_arguments(parser) -> None:
                         help="tensor parallel over the ranks mlx.launch started: every layer's "
                              "attention heads and experts split over the ranks")
     parser.add_argument("--distributed-timeout", type=float, default=None, metavar="S",
-                        help="seconds to wait for the other ranks at startup (default 900)")
+                        help="seconds to wait for the other ranks at startup, and for progress "
+                             "while a prompt or reply runs (default 900)")
 
 
 def distributed_loader(args):
@@ -34,9 +35,9 @@ def distributed_loader(args):
         raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
-        # The vision tower loads on rank 0 of a pipeline, and only for --image (chat and the
-        # server refuse images across ranks).
-        options["vision"] = bool(getattr(args, "image", None)) and bool(args.pipeline)
+        # The vision tower loads on rank 0: in mlx_v41.generate only for --image, in the chat
+        # and the server when the checkpoint has it (as in one process).
+        options["vision"] = bool(args.image) if hasattr(args, "image") else None
         if args.pipeline:
             model, tokenizer = start_pipeline(path, split=args.pipeline,
                                               timeout=args.distributed_timeout, **options)

@@ -8,6 +8,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .watchdog import Watchdog
+
 DTYPES = [mx.bfloat16, mx.float32, mx.int32, mx.uint8, mx.float16]
 HEADER = 6  # per array: dtype code (-1: absent), ndim, up to 4 dims
 
@@ -28,17 +30,19 @@ class Link:
     """This rank's end of the group; `sent` counts payload + header bytes of boundaries and
     `reduced` the bytes this rank contributes to logits reductions."""
 
-    def __init__(self, group):
+    def __init__(self, group, timeout: float = 900.0):
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.sent = 0
         self.reduced = 0
+        self.watchdog = Watchdog(timeout, self.rank)
 
     def _eval(self, value, peer: Optional[int], what: str):
         try:
             mx.eval(value)
         except RuntimeError as e:
             raise self.lost(e, what, peer) from None
+        self.watchdog.beat()
         return value
 
     def lost(self, error: RuntimeError, what: str, peer: Optional[int] = None):

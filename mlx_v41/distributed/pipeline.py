@@ -357,6 +357,9 @@ class PipelineModel(Model):
             return mx.zeros((hidden.shape[0], rows, self.cfg.vocab_size), mx.float32)
         return super().head(hidden, last_only)
 
+    def busy(self, what: str):
+        return self.link.watchdog.busy(what)
+
     def agree_on_token(self, token: mx.array) -> mx.array:
         """The last rank's sampled token on every rank: one int32 per row is reduced instead
         of the logits (every rank still runs the sampler, so their random keys stay alike)."""
@@ -366,10 +369,10 @@ class PipelineModel(Model):
 
 def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
     """This rank's `PipelineModel` from its local copy of the folder (and the tokenizer);
-    vision=True loads the tower on rank 0."""
+    vision=True loads the tower on rank 0 (None: when rank 0's folder has it)."""
     from ..checkpoint.source import load
 
     options.setdefault("dspark", False)  # True: the drafter on the last rank
-    options.setdefault("vision", False)  # the tower is asked for (rank 0 holds it)
+    options.setdefault("vision", False)  # True (or None: if the folder has it) on rank 0
     return load(path, build=lambda args, **kw: PipelineModel(args, link, split, **kw),
                 **options)

@@ -61,7 +61,7 @@ def join_group(timeout: Optional[float] = None, switch: str = "--pipeline") -> L
     if group.size() < 2:
         raise DistributedError(f"{switch} needs two or more processes: start them with "
                                "mlx.launch -n 2 --python $(which python) -- ... (or --hosts)")
-    return Link(group)
+    return Link(group, seconds)
 
 
 def _record(folder: Path, model, error: Optional[str]) -> dict:

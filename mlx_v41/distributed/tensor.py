@@ -103,8 +103,6 @@ class TensorParallelModel(Model):
     every rank together."""
 
     def __init__(self, args, link: Link, **options):
-        if options.get("vision"):
-            raise ShardError("--tensor-parallel does not run the vision tower (no --image)")
         check_shardable(args.text_config, link.size, bool(options.get("dspark")))
         super().__init__(args, **options)
         self.link, self.rank = link, link.rank
@@ -120,12 +118,18 @@ class TensorParallelModel(Model):
     def forward(self, *args, **kwargs):
         """`Model.forward`; a collective that failed inside it (a rank lost) raises one
         DistributedError line (one evaluated later, by the caller, raises MLX's error)."""
+        self.link.watchdog.beat()  # the previous call's reductions were evaluated
+        if kwargs.get("step_size"):  # a prefill: each evaluated chunk is progress too
+            kwargs["progress"] = self.link.watchdog.beating(kwargs.get("progress"))
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as e:
             if not is_backend_error(e):
                 raise
             raise self.link.lost(e, "computing a layer") from None
+
+    def busy(self, what: str):
+        return self.link.watchdog.busy(what)
 
     def _shard_attention(self, path: str, attn) -> None:
         cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of
@@ -169,6 +173,8 @@ def load_tensor_parallel(path, link: Link, **options):
     from ..checkpoint.source import load
 
     options.setdefault("dspark", False)
-    options.setdefault("vision", False)
+    # The vision tower (replicated weights, no split) loads on rank 0 only, which reads the
+    # images and shares each forward's span rows (`prompt.SharedImagePrompt`).
+    options["vision"] = options.get("vision", False) if link.rank == 0 else False
     return load(path, build=lambda args, **kw: TensorParallelModel(args, link, **kw),
                 **options)

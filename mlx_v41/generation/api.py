@@ -83,9 +83,11 @@ def prefill(model, tokens: Sequence[int], cache: list, step_size: Optional[int] 
     """Run `tokens` into `cache` (chunks of `step_size`); the last position's logits [1, 1, V].
     `images`: the `vision.ImageInputs` of the tokens' image spans."""
     check_context(model, cache[0].offset, len(tokens))
-    logits = model.prefill(mx.array([list(tokens)], dtype=mx.int32), cache, step_size=step_size,
-                           last_only=True, progress=progress, images=images)
-    mx.eval(logits)
+    with model.busy("prefilling a prompt"):
+        logits = model.prefill(mx.array([list(tokens)], dtype=mx.int32), cache,
+                               step_size=step_size, last_only=True, progress=progress,
+                               images=images)
+        mx.eval(logits)
     return logits
 
 
@@ -139,16 +141,17 @@ def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt
     steps = _steps(model, logits, cache, history, sampler, logits_processors, max_tokens, stops,
                    draft, num_draft_tokens, draft_confidence, stats)
     from_draft = False
-    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
-        if token in stops:
-            break
-        detokenizer.add_token(token)
-        if n == max_tokens:
-            break
-        yield GenerationResponse(detokenizer.last_segment, token, logprobs, prompt_tokens,
-                                 prompt_tps, n, n / (time.perf_counter() - tic),
-                                 mx.get_peak_memory() / 1e9, from_draft=from_draft,
-                                 draft_stats=stats)
+    with model.busy("generating a reply"):
+        for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
+            if token in stops:
+                break
+            detokenizer.add_token(token)
+            if n == max_tokens:
+                break
+            yield GenerationResponse(detokenizer.last_segment, token, logprobs, prompt_tokens,
+                                     prompt_tps, n, n / (time.perf_counter() - tic),
+                                     mx.get_peak_memory() / 1e9, from_draft=from_draft,
+                                     draft_stats=stats)
     if token is None:
         return
     detokenizer.finalize()

@@ -9,6 +9,7 @@ tower are attached here but defined in `dspark.py` and `vision/`.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -280,6 +281,11 @@ class Model(nn.Module):
         """The ints every process continues with (at most `size`): the ones computed here (a
         pipeline: the last rank's)."""
         return list(values)
+
+    def busy(self, what: str):
+        """A context around a prefill or a reply; across ranks it watches for a stuck rank
+        (`distributed.watchdog`); in one process it does nothing."""
+        return nullcontext()
 
     def agree_on_token(self, token: mx.array) -> mx.array:
         """The token every process continues with: the one sampled here (a pipeline: the last

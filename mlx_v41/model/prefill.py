@@ -126,8 +126,8 @@ class Run:
         state.engram_rows = engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids,
                                         ids, self.cache, state.image_mask)
         x = self.text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
-        if images is not None:
-            x = images.merge(x, delimiters(self.model))
+        if images is not None:  # rows shared by another rank hold the delimiters too
+            x = images.merge(x, {} if images.has_delimiter_rows else delimiters(self.model))
         streams, pre = self.text.residual_input(x)
         return (state, *self.text.encoder_stack(streams, pre, state, self.cache))
 
@@ -201,7 +201,7 @@ def check_images(model, ids, embeddings, images) -> None:
 
     if images is None:
         return
-    if "vision" not in model:
+    if "vision" not in model and not images.has_delimiter_rows:
         raise ValueError(f"the call has image spans but {VISION_MISSING}")
     if embeddings is not None:
         raise ValueError("give either input_embeddings or images, not both")
@@ -213,8 +213,9 @@ def check_images(model, ids, embeddings, images) -> None:
                          f"the ids have {ids.shape[1]} positions")
     want = [images.n_image_rows, model.cfg.hidden_size]
     if list(images.rows.shape) != want:
-        raise ValueError(f"images.rows must have shape {want} (one row per IMAGE position, "
-                         f"hidden_size), got {list(images.rows.shape)}")
+        raise ValueError(f"images.rows must have shape {want} (one row per IMAGE position, or "
+                         f"per span position with has_delimiter_rows; hidden_size), got "
+                         f"{list(images.rows.shape)}")
 
 
 def _check_inputs(model, ids, cache, embeddings, step_size, teacher) -> None:

@@ -1,10 +1,7 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
-HTTP and, before running a request, shares its work with the other ranks (prompt ids, sampling
-settings, seed, max tokens, stop strings, the logits processors' fields, the DSpark settings,
-as one JSON line over the group); they follow, running the same prefill and decode (plain or
-speculative: DSpark's drafts and acceptance are agreed inside the decoding loop). After every token rank 0 shares
-whether the request was cancelled (its client went away), so every rank stops at the same
-token; stop strings are found alike on every rank (same tokens, same text)."""
+HTTP, decodes the images, and shares each request's work (ids, image spans' grids, settings,
+stop strings, processors' fields, DSpark settings) as one JSON line; the other ranks run the
+same prefill and decode, and after every token learn whether the request was cancelled."""
 
 from __future__ import annotations
 
@@ -16,8 +13,8 @@ from dataclasses import asdict
 import mlx.core as mx
 
 from ..distributed.lines import share_line
+from ..distributed.prompt import followed_prompt, leading_prompt, span_grids
 from ..generation.api import wired_limit
-from ..model.vision.prompt import prepare_prompt
 from .engine import Engine, Finish, Job, Settings
 from .processors import processors_from
 from .protocol import RequestError
@@ -43,6 +40,7 @@ class GroupEngine(Engine):
 
     def _run(self, job: Job) -> Finish:
         share_line(self.link, json.dumps({**work_record(job), "draft": self.draft}))
+        job.prompt = leading_prompt(self.model, job.prompt)  # the tower's rows for the others
         return super()._run(job)
 
     def _is_cancelled(self, job: Job) -> bool:
@@ -80,7 +78,7 @@ class Follower(Engine):
 
 def work_record(job: Job) -> dict:
     settings = {k: v for k, v in asdict(job.settings).items() if k != "processors"}
-    return {"ids": list(job.prompt.ids), "settings": settings}
+    return {"ids": list(job.prompt.ids), "spans": span_grids(job.prompt), "settings": settings}
 
 
 class FollowerJob(Job):
@@ -89,7 +87,8 @@ class FollowerJob(Job):
     def __init__(self, record: dict, model, tokenizer):
         settings = Settings(**record["settings"])
         settings.processors = processors_from(settings.processor_fields, tokenizer)
-        self.prompt, self.settings = prepare_prompt(model, record["ids"]), settings
+        self.prompt = followed_prompt(model, record["ids"], record["spans"])
+        self.settings = settings
         self.cancelled, self.finish = threading.Event(), None
 
     def put(self, item) -> None:

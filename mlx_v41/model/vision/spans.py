@@ -61,10 +61,13 @@ def expand_spans(ids: Sequence[int], image_token_id: int, grids: list) -> tuple:
 @dataclass
 class ImageInputs:
     """The image spans of one forward call (batch 1): the token type of every position of the
-    call, and the aligner rows of its IMAGE positions in order ([rows, hidden] bf16)."""
+    call, and the aligner rows of its IMAGE positions in order ([rows, hidden] bf16). With
+    `has_delimiter_rows` the rows are every span position's, the learned delimiters included
+    (what another rank's tower made: `mlx_v41.distributed.prompt`), and merge needs no tower."""
 
     token_types: np.ndarray
     rows: mx.array
+    has_delimiter_rows: bool = False
 
     @property
     def has_spans(self) -> bool:
@@ -72,13 +75,18 @@ class ImageInputs:
 
     @property
     def n_image_rows(self) -> int:
-        return int(np.count_nonzero(self.token_types == IMAGE))
+        """How many rows the call takes (one per IMAGE position, or per span position)."""
+        return int(np.count_nonzero(self._takes_row(self.token_types)))
+
+    def _takes_row(self, types: np.ndarray) -> np.ndarray:
+        return types >= 0 if self.has_delimiter_rows else types == IMAGE
 
     def chunk(self, begin: int, end: int) -> "ImageInputs":
         """The inputs of positions [begin, end) of the call."""
-        first = int(np.count_nonzero(self.token_types[:begin] == IMAGE))
+        first = int(np.count_nonzero(self._takes_row(self.token_types[:begin])))
         types = self.token_types[begin:end]
-        return ImageInputs(types, self.rows[first:first + int(np.count_nonzero(types == IMAGE))])
+        rows = self.rows[first:first + int(np.count_nonzero(self._takes_row(types)))]
+        return ImageInputs(types, rows, self.has_delimiter_rows)
 
     def mask(self) -> mx.array:
         """[1, S] bool: positions inside an image span (delimiters included)."""
@@ -86,12 +94,16 @@ class ImageInputs:
 
     def merge(self, x: mx.array, delimiters: dict) -> mx.array:
         """Token embeddings x [1, S, D] with the span rows overwritten: IMAGE rows by the
-        aligner rows, the others by the learned vectors (`delimiters`: type -> [D])."""
-        types = mx.array(self.token_types)[None, :, None]
+        aligner rows, the others by the learned vectors (`delimiters`: type -> [D]; unused
+        with `has_delimiter_rows`)."""
+        takes_row = self._takes_row(self.token_types)
         if self.rows.shape[0]:
-            slot = np.maximum(np.cumsum(self.token_types == IMAGE) - 1, 0)
+            slot = np.maximum(np.cumsum(takes_row) - 1, 0)
             gathered = self.rows.astype(x.dtype)[mx.array(slot)][None]
-            x = mx.where(types == IMAGE, gathered, x)
+            x = mx.where(mx.array(takes_row)[None, :, None], gathered, x)
+        if self.has_delimiter_rows:
+            return x
+        types = mx.array(self.token_types)[None, :, None]
         for kind, vector in delimiters.items():
             x = mx.where(types == kind, vector.astype(x.dtype), x)
         return x

@@ -351,12 +351,29 @@ def _wait_for_health(server: Launched, port: int) -> None:
             time.sleep(0.3)
 
 
+SERVER_CACHE_BYTES = 80_000  # one tiny-model entry fits, not two, both for one process
+# (~61 KB a cache) and for the pipeline's largest share (rank 0's, ~47 KB); rank 1's share
+# (~14 KB) alone would keep five, so a rank deciding by its own bytes reuses another prefix
+
+
+def _reuse_lines(text: str) -> dict:
+    """{rank: [cached tokens per request]} from the ranks' per-request log lines."""
+    import re
+
+    out: dict = {}
+    for rank, cached in re.findall(r"rank (\d+): \d+ prompt tokens \((\d+) cached", text):
+        out.setdefault(int(rank), []).append(int(cached))
+    return out
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_server_over_a_pipeline_equals_one_process(tmp_path):
     """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline`: rank 0 serves raw HTTP, and the
-    replies (greedy; seeded sampling with a penalty and a stop string) are one process's. A
-    client that disconnects mid-stream cancels on every rank (the next reply is still one
-    process's); logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
+    replies (greedy; seeded sampling with a penalty and a stop string) are one process's,
+    with the same prompt reuse (`cached_tokens`) under a byte bound that evicts: every rank
+    logs the same reused prefix for every request (rank 0 decides for all). A client that
+    disconnects mid-stream cancels on every rank (the next reply is still one process's);
+    logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
     import http.client
     import signal
 
@@ -366,26 +383,39 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
               "temperature": 0}
     sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
                "max_tokens": 8, "stop": ["ll"]}
-    one = LiveServer(*tiny(), cache_bytes=0)
+    other = {**greedy, "messages": [{"role": "user", "content": "Bye now"}]}
+    bodies = (greedy, sampled, other, greedy)  # the last: Hello's entry was evicted
+    one = LiveServer(*tiny(), cache_bytes=SERVER_CACHE_BYTES)
     try:
-        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in (greedy, sampled)]
+        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in bodies]
     finally:
         one.close()
+    cached = [e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in expected]
+    assert cached[0] == 0 and cached[1] == expected[1]["usage"]["prompt_tokens"] - 1
+    assert 0 < cached[3] < cached[1]  # the scenario evicts (the template's start is reused)
     port = _free_ports(1)[0]
     server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
-                      "--port", port, "--pipeline", "--log-level", "WARNING")
+                      "--port", port, "--pipeline", "--log-level", "DEBUG",
+                      "--prompt-cache-bytes", SERVER_CACHE_BYTES)
     try:
         _wait_for_health(server, port)
-        for body, want in zip((greedy, sampled), expected):
+        for k, (body, want) in enumerate(zip(bodies, expected)):
             status, got = post(port, "/v1/chat/completions", body)
             assert status == 200, got
             assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])
-            # a streamed reply whose client goes away after its first event
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            conn.request("POST", "/v1/chat/completions",
-                         json.dumps({**greedy, "max_tokens": 400, "stream": True}))
-            assert conn.getresponse().read(6) == b"data: "
-            conn.close()
+            server.read_until(lambda s: len(_reuse_lines(s.err).get(1, [])) > k)
+        assert _reuse_lines(server.err) == {0: cached, 1: cached}
+        # a streamed reply whose client goes away after its first event
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/chat/completions",
+                     json.dumps({**greedy, "max_tokens": 400, "stream": True}))
+        assert conn.getresponse().read(6) == b"data: "
+        conn.close()
+        status, got = post(port, "/v1/chat/completions", sampled)
+        assert status == 200 and got["choices"] == expected[1]["choices"], got
+        server.read_until(lambda s: len(_reuse_lines(s.err).get(1, [])) == len(bodies) + 2)
+        reuse = _reuse_lines(server.err)
+        assert reuse[0] == reuse[1], reuse
         status, got = post(port, "/v1/chat/completions", {**greedy, "logprobs": True})
         assert status == 400 and "logprobs are not available under --pipeline" in \
             got["error"]["message"]

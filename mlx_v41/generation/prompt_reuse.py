@@ -65,8 +65,12 @@ class PromptCache:
         leaves at least one prompt token to run (its logits start the reply). Returns the
         tokens kept, or None (the cache unchanged) when the rollback is more than the cache
         can undo exactly."""
-        keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
-        keep = shared_spans(keep, self.images, list(images))
+        return self.rewind_to(kept_prefix(_common_prefix(self.tokens, prompt), len(prompt),
+                                          self.images, images))
+
+    def rewind_to(self, keep: int) -> Optional[int]:
+        """Trim to the first `keep` tokens; `keep`, or None (unchanged) past the exact
+        rollback."""
         try:
             trim_cache(self.cache, len(self.tokens) - keep)
         except CacheError:
@@ -74,6 +78,13 @@ class PromptCache:
         del self.tokens[keep:]
         self.images = [r for r in self.images if r["start"] < keep]
         return keep
+
+
+def kept_prefix(common: int, prompt_length: int, held: list, wanted: Sequence[dict]) -> int:
+    """Tokens a cache keeps for a prompt it shares `common` tokens with: at least one prompt
+    token is left to run (its logits start the reply), and none past an image span that
+    differs (`shared_spans`)."""
+    return shared_spans(min(common, prompt_length - 1), held, list(wanted))
 
 
 

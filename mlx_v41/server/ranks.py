@@ -1,9 +1,11 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
 HTTP and, before running a request, shares its work with the other ranks (prompt ids, sampling
-settings, seed, max tokens, stop strings, the logits processors' fields, as one JSON line over
-the group); they follow, running the same prefill and decode. After every token rank 0 shares
-whether the request was cancelled (its client went away), so every rank stops at the same
-token; stop strings are found alike on every rank (same tokens, same text)."""
+settings, seed, max tokens, stop strings, the logits processors' fields, and which cached
+prefix to reuse, as one JSON line over the group); they follow, running the same prefill and
+decode. After every token rank 0 shares whether the request was cancelled (its client went
+away), so every rank stops at the same token. Rank 0's prompt-cache store decides (the prefix
+reused, the entries kept and dropped, by the largest share of each cache over the ranks) and
+every rank's store applies its decisions to its own share."""
 
 from __future__ import annotations
 
@@ -13,25 +15,57 @@ import threading
 from dataclasses import asdict
 
 import mlx.core as mx
+import numpy as np
 
+from ..cache.layer import cache_bytes
 from ..distributed.lines import share_line
+from ..distributed.link import DistributedError
 from ..generation.api import wired_limit
 from ..model.vision.prompt import prepare_prompt
 from .engine import Engine, Finish, Job, Settings
 from .processors import processors_from
+from .prompt_store import StoreMismatch
 from .protocol import RequestError
 
 log = logging.getLogger("mlx_v41.server")
 
 
-class GroupEngine(Engine):
-    """Rank 0's engine: an `Engine` that shares each request and each cancel with the ranks
-    that `follow`. Prompt reuse is off (each rank's store would evict by its own share's
-    bytes, so the ranks could reuse different prefixes)."""
+class RankEngine(Engine):
+    """An engine on one rank of a group: the prefix it reuses is rank 0's choice (`job.reuse`),
+    and the caches a request leaves are kept or dropped as rank 0's store decides."""
 
     def __init__(self, model, tokenizer, store, **options):
         super().__init__(model, tokenizer, store, **options)
         self.link = model.link
+        self.label = f"rank {self.link.rank}: "
+
+    def _reuse(self, job: Job):
+        return job.reuse
+
+    def _keep(self, states: list) -> None:
+        """Rank 0 admits each state counted at its largest share over the ranks (so no rank's
+        store passes the byte bound) and shares its decisions; every rank applies them."""
+        sizes = largest_shares(self.link, states)
+        if self.link.rank == 0:
+            decisions = []
+            for state, size in zip(states, sizes):
+                decisions.append(None if size is None else self.store.admit(state, size))
+                if decisions[-1] is not None:
+                    self.store.apply(state, decisions[-1])
+            share_line(self.link, json.dumps(decisions))
+            return
+        decisions = json.loads(share_line(self.link, None))
+        for state, decision in zip(states, decisions):
+            if decision is not None:
+                self.store.apply(state, decision)
+
+
+class GroupEngine(RankEngine):
+    """Rank 0's engine: an `Engine` that shares each request (with the prefix its store chose)
+    and each cancel with the ranks that `follow`."""
+
+    def __init__(self, model, tokenizer, store, **options):
+        super().__init__(model, tokenizer, store, **options)
         self.is_pipeline = hasattr(model, "stage")
 
     def submit(self, prompt, settings: Settings) -> Job:
@@ -41,6 +75,7 @@ class GroupEngine(Engine):
         return super().submit(prompt, settings)
 
     def _run(self, job: Job) -> Finish:
+        job.reuse = self.store.choose(job.prompt.ids, job.prompt.records())
         share_line(self.link, json.dumps(work_record(job)))
         return super()._run(job)
 
@@ -54,12 +89,8 @@ class GroupEngine(Engine):
             log.warning("the other ranks were not told that the server stopped")
 
 
-class Follower(Engine):
+class Follower(RankEngine):
     """The engine of a rank other than 0: no HTTP, no queue; `follow` runs rank 0's work."""
-
-    def __init__(self, model, tokenizer, store, **options):
-        super().__init__(model, tokenizer, store, **options)
-        self.link = model.link
 
     def _is_cancelled(self, job: Job) -> bool:
         return share_flag(self.link, False)
@@ -71,13 +102,17 @@ class Follower(Engine):
             try:
                 with wired_limit(self.model):
                     self._run(job)
+            except DistributedError:
+                raise
+            except StoreMismatch as e:  # the ranks would part ways: end them all
+                raise DistributedError(f"rank {self.link.rank}: {e}") from None
             except Exception:  # rank 0 fails the same way and its server goes on
                 log.exception("request failed")
 
 
 def work_record(job: Job) -> dict:
     settings = {k: v for k, v in asdict(job.settings).items() if k != "processors"}
-    return {"ids": list(job.prompt.ids), "settings": settings}
+    return {"ids": list(job.prompt.ids), "settings": settings, "reuse": job.reuse}
 
 
 class FollowerJob(Job):
@@ -87,6 +122,7 @@ class FollowerJob(Job):
         settings = Settings(**record["settings"])
         settings.processors = processors_from(settings.processor_fields, tokenizer)
         self.prompt, self.settings = prepare_prompt(model, record["ids"]), settings
+        self.reuse = record["reuse"]
         self.cancelled, self.finish = threading.Event(), None
 
     def put(self, item) -> None:
@@ -97,3 +133,16 @@ def share_flag(link, flag: bool) -> bool:
     """Rank 0's `flag` on every rank (the others' is ignored)."""
     mine = mx.array([int(flag) if link.rank == 0 else 0], mx.int32)
     return bool(link.all_sum(mine, "sharing a request's cancel").item())
+
+
+def largest_shares(link, states: list) -> list:
+    """Per state, the most bytes its cache holds on any rank (None where a rank keeps none):
+    one `all_gather` of 2 int32s per state (bytes split at bit 31; -1 for none)."""
+    mine = []
+    for state in states:
+        n = None if state is None else cache_bytes(state.cache)["total"]
+        mine += [-1, 0] if n is None else [n >> 31, n & 0x7FFFFFFF]
+    shares = np.array(link.all_gather(mx.array(mine, mx.int32), "sharing prompt-cache sizes"),
+                      dtype=np.int64).reshape(link.size, len(states), 2)
+    return [None if (s[:, 0] < 0).any() else int(((s[:, 0] << 31) + s[:, 1]).max())
+            for s in shares.transpose(1, 0, 2)]

@@ -115,16 +115,52 @@ def test_image_prompt_over_a_pipeline_equals_one_process(tmp_path, capsys):
     assert code == 0 and text.split("=" * 10)[1] == one, text
 
 
+def _file_layers(path: Path, layers) -> dict:
+    """The arrays and records of `layers` in a prompt-cache file."""
+    import mlx.core as mx
+
+    arrays, info = mx.load(str(path), format="safetensors", return_metadata=True)
+    records = json.loads(info["layers"])
+    return {i: (records[i], {k: np.array(v) for k, v in arrays.items()
+                             if k.split(".")[0] == str(i)}) for i in layers}
+
+
+def _same_layers(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[i][0] == b[i][0] and a[i][1].keys() == b[i][1].keys() and
+        all(np.array_equal(a[i][1][k], b[i][1][k]) for k in a[i][1]) for i in a)
+
+
 def test_generate_cli_pipeline_matches_one_process(tmp_path, capsys):
-    """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7`: rank 0 alone prints, and the
-    sampled text (temperature 0.8, seed 3) is the one-process text."""
-    args = ["--model", golden_checkpoint("tiny"), "-p", "hello", "-m", "10", "--temp", "0.8",
-            "--seed", "3"]
-    result = launch(2, "-m", "mlx_v41.generate", *args, "--pipeline", "7")
-    assert generate_main([str(a) for a in args]) == 0
-    one = capsys.readouterr().out.split("=" * 10)[1]
+    """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7 --prompt-cache-file F`: rank 0
+    alone prints, and the sampled text (temperature 0.8, seed 3) is the one-process text. Each
+    rank saved its share of the prompt cache (F on rank 0, F.rank1-of-2 on rank 1), bit for bit
+    one process's layers; a new group loads them and, reusing the shared prefix, continues as
+    one process does from its own file."""
+    args = ["--model", golden_checkpoint("tiny"), "-m", "10", "--temp", "0.8", "--seed", "3"]
+    first, second = ["-p", "hello"], ["-p", "hello there"]
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one_file, two_file = tmp_path / "one" / "F", tmp_path / "two" / "F"
+    result = launch(2, "-m", "mlx_v41.generate", *args, *first, "--pipeline", "7",
+                    "--prompt-cache-file", two_file)
+    expected = []
+    for prompt in (first, second):
+        assert generate_main([str(a) for a in args + prompt] +
+                             ["--prompt-cache-file", str(one_file)]) == 0
+        out, err = capsys.readouterr()
+        expected.append((out.split("=" * 10)[1], err))
     assert result.stdout.count("=" * 10) == 2, result.stdout + result.stderr  # one rank printed
-    assert result.stdout.split("=" * 10)[1] == one
+    assert result.stdout.split("=" * 10)[1] == expected[0][0]
+    assert sorted(p.name for p in two_file.parent.iterdir()) == ["F", "F.rank1-of-2"]
+    assert _same_layers(_file_layers(two_file, range(7)), _file_layers(one_file, range(7)))
+    assert _same_layers(_file_layers(tmp_path / "two" / "F.rank1-of-2", range(7, 12)),
+                        _file_layers(one_file, range(7, 12)))
+    result = launch(2, "-m", "mlx_v41.generate", *args, *second, "--pipeline", "7",
+                    "--prompt-cache-file", two_file)
+    assert result.stdout.split("=" * 10)[1] == expected[1][0], result.stderr
+    reuse = [ln for ln in expected[1][1].splitlines() if ln.startswith("prompt cache: reusing")]
+    assert len(reuse) == 1 and 0 < int(reuse[0].split()[3]) < int(reuse[0].split()[5])
+    assert result.stderr.count(reuse[0]) == 2, result.stderr  # both ranks reused as much
 
 
 def _flip_embedding_byte(folder: Path) -> None:
@@ -191,7 +227,7 @@ def test_killed_rank_ends_the_others(tmp_path, split):
 CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32"]  # chunked prompts: progress on stderr
 CHAT_SCRIPT = ["Hello", "/thinking off", "Again", "/stats", "/reset", "Grüße, 世界",  # UTF-8
                "/thinking on"]
-REFUSED = {2: "/save {tmp}/session.bin", 4: "/dspark on", 6: "/image {tmp}/cat.png"}
+REFUSED = {4: "/dspark on", 6: "/image {tmp}/cat.png"}
 
 
 def one_process_chat(script, capsys, monkeypatch) -> str:
@@ -291,11 +327,8 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         assert comparable(chat.out) == expected
         refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
         assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
-                            (("/save", "prompt-cache files are not written or read across "
-                                       "ranks yet"),
-                             ("/dspark", "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"),
+                            (("/dspark", "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"),
                              ("/image", "the chat does not share images across ranks yet"))]
-        assert not (tmp_path / "session.bin").exists()
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
         chat.read_until(lambda c: "prefill " in c.err[start:])
@@ -307,21 +340,39 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         chat.kill()
 
 
-def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
-                                                                 monkeypatch):
-    """`--tensor-parallel`: the same reply as one process, a refusal naming the flag, and /quit
-    ends every rank with status 0 (mlx.launch never passes the end of its stdin on)."""
-    expected = comparable(one_process_chat(["Hello"], capsys, monkeypatch))
-    done = subprocess.run(
-        [*mlx_launch(2), "-m", "mlx_v41.chat",
-         "--model", str(golden_checkpoint("tiny")), *CHAT_FLAGS, "--tensor-parallel"],
-        input=f"Hello\n/load {tmp_path}/none.bin\n/quit\n", cwd=ROOT, capture_output=True,
-        text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stderr
-    assert comparable(done.stdout) == expected
-    assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [
-        "error: /load is not available with --tensor-parallel (prompt-cache files are not "
-        "written or read across ranks yet)"]
+def test_chat_under_tensor_parallel_saves_loads_and_quits(tmp_path, capsys, monkeypatch):
+    """`--tensor-parallel`: the transcript is one process's through /save and, after /reset,
+    /load of the group's files (each rank its own: s.bin, s.bin.rank1-of-2). A /load that a
+    rank cannot do (rank 1's file missing; a one-process file on rank 0) is refused in one line
+    on every rank, the session unchanged (the next reply is one process's). /quit ends every
+    rank with status 0 (mlx.launch never passes the end of its stdin on)."""
+    import shutil
+
+    session = tmp_path / "s.bin"
+    script = ["Hello", f"/save {session}", "Again", "/reset", f"/load {session}", "More"]
+    expected = comparable(one_process_chat(script, capsys, monkeypatch))
+    session.rename(tmp_path / "one.bin")  # a one-process file
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
+                    "--tensor-parallel")
+    try:
+        chat.send(script[:2])
+        chat.read_until(lambda c: "[saved to" in c.out)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["one.bin", "s.bin",
+                                                              "s.bin.rank1-of-2"]
+        shutil.copyfile(session, tmp_path / "half.bin")  # rank 1 has no half.bin.rank1-of-2
+        chat.send([f"/load {tmp_path}/half.bin", f"/load {tmp_path}/one.bin", *script[2:]])
+        chat.read_until(lambda c: c.err.count("error: ") == 2 and
+                        c.out.count("\n") >= expected.count("\n") + 1)
+        assert comparable(chat.out) == expected
+        refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
+        assert refusals[0].startswith(f"error: rank 1: {tmp_path}/half.bin.rank1-of-2: not a "
+                                      "readable prompt-cache file"), refusals
+        assert refusals[1] == f"error: rank 0: {tmp_path}/one.bin: the cache was made by one " \
+            "process; this is rank 0 of 2 (tensor parallel x2)"
+        chat.send(["/quit"])
+        assert chat.proc.wait(timeout=TIMEOUT) == 0, chat.err
+    finally:
+        chat.kill()
 
 
 # ---------------------------------------------------------------- mlx_v41.server over the ranks

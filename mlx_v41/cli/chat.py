@@ -45,9 +45,7 @@ HELP = """commands:
   /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
 
 # The commands the ranks of a group cannot run yet, and why.
-FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
-REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS,
-                        "/image": "the chat does not share images across ranks yet",
+REFUSED_ACROSS_RANKS = {"/image": "the chat does not share images across ranks yet",
                         "/dspark": "the DSpark drafter runs across ranks only in mlx_v41.generate --pipeline"}
 
 

@@ -31,8 +31,6 @@ def distributed_loader(args, drafts: bool = False):
         raise ValueError("--pipeline and --tensor-parallel do not combine: choose one")
     if not (args.pipeline or args.tensor_parallel):
         return None
-    if getattr(args, "prompt_cache_file", None):
-        raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
         drafting = drafts and bool(args.pipeline)

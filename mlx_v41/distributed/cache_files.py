@@ -1,8 +1,7 @@
 """Prompt-cache files across the ranks of a group: each rank writes and reads its own share of
-the cache (a pipeline rank its layers' caches, a tensor-parallel rank the whole cache) in its
-own file on its own machine, `F` on rank 0 and `F.rank{r}-of-{n}` beside it on rank r. A save
-is renamed into place only once every rank has written its part; a load is used only if every
-rank read its part of the same save; otherwise every rank raises the same one-line error."""
+the cache in its own file, `F` on rank 0 and `F.rank{r}-of-{n}` beside it on rank r. A save
+lands only once every rank wrote its part, a load is used only if every rank read its part of
+the same save; otherwise every rank raises the same one-line error."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
-HTTP and, before running a request, shares its work with the other ranks (prompt ids, sampling
-settings, seed, max tokens, stop strings, the logits processors' fields, and which cached
-prefix to reuse, as one JSON line over the group); they follow, running the same prefill and
-decode. After every token rank 0 shares whether the request was cancelled (its client went
-away), so every rank stops at the same token. Rank 0's prompt-cache store decides (the prefix
-reused, the entries kept and dropped, by the largest share of each cache over the ranks) and
-every rank's store applies its decisions to its own share."""
+HTTP and shares each request (prompt ids, sampling and processor settings, the cached prefix
+its store chose) as one JSON line, then a cancel flag per token and its store's decisions
+after the request; the other ranks follow, their stores applying those decisions to their
+own shares of the caches."""
 
 from __future__ import annotations
 

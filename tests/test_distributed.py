@@ -424,7 +424,9 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
     with the same prompt reuse (`cached_tokens`) under a byte bound that evicts: every rank
     logs the same reused prefix for every request (rank 0 decides for all). A client that
     disconnects mid-stream cancels on every rank (the next reply is still one process's);
-    logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank."""
+    logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank. With
+    --prompt-cache-dir every rank wrote its share of each kept entry, and a restarted group
+    loads them and reuses them on every rank."""
     import http.client
     import signal
 
@@ -444,10 +446,10 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
     cached = [e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in expected]
     assert cached[0] == 0 and cached[1] == expected[1]["usage"]["prompt_tokens"] - 1
     assert 0 < cached[3] < cached[1]  # the scenario evicts (the template's start is reused)
-    port = _free_ports(1)[0]
-    server = Launched(2, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
-                      "--port", port, "--pipeline", "--log-level", "DEBUG",
-                      "--prompt-cache-bytes", SERVER_CACHE_BYTES)
+    port, folder = _free_ports(1)[0], tmp_path / "prompts"
+    flags = ["--model", golden_checkpoint("tiny"), "--port", port, "--pipeline", "--log-level",
+             "DEBUG", "--prompt-cache-bytes", SERVER_CACHE_BYTES, "--prompt-cache-dir", folder]
+    server = Launched(2, "-m", "mlx_v41.server", *flags)
     try:
         _wait_for_health(server, port)
         for k, (body, want) in enumerate(zip(bodies, expected)):
@@ -472,6 +474,21 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
             got["error"]["message"]
         os.kill(_rank_pid(server.proc.pid, 0), signal.SIGINT)  # uvicorn's graceful stop
         assert server.proc.wait(timeout=30) == 0, server.err  # rank 1 told, not lost
+    finally:
+        server.kill()
+    # the entries kept, each as a file per rank; a restarted group loads them and reuses
+    names = sorted(p.name for p in folder.iterdir())
+    assert names and sorted(n for n in names if ".rank" not in n) == \
+        sorted(n[:-len(".rank1-of-2")] for n in names if n.endswith(".rank1-of-2")), names
+    server = Launched(2, "-m", "mlx_v41.server", *flags)
+    try:
+        _wait_for_health(server, port)
+        status, got = post(port, "/v1/chat/completions", greedy)
+        assert status == 200 and got["choices"] == expected[0]["choices"], got
+        prompt = got["usage"]["prompt_tokens"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+        server.read_until(lambda s: len(_reuse_lines(s.err).get(1, [])) == 1)
+        assert _reuse_lines(server.err) == {0: [prompt - 1], 1: [prompt - 1]}
     finally:
         server.kill()
 

@@ -353,9 +353,8 @@ def test_console_script_and_dispatch(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--pipeline"], "--pipeline needs two or more processes: start them with mlx.launch"),
     (["--tensor-parallel", "--prompt-cache-dir", "cache"],
-     "--prompt-cache-dir is not supported across ranks yet")])
-def test_distributed_flags_without_a_group_or_with_a_cache_dir_are_one_line(flags, message,
-                                                                            capsys):
+     "--tensor-parallel needs two or more processes")])
+def test_distributed_flags_without_a_group_are_one_line(flags, message, capsys):
     """Bad distributed flags end in one line before any model is loaded (the folder does not
     exist); a real group is tested in tests/test_distributed.py."""
     assert cli.main(["--model", "/nonexistent/model", *flags]) == 1

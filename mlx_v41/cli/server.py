@@ -55,7 +55,8 @@ def setup_arg_parser() -> ArgumentParser:
     add("--prompt-cache-dir", default=None,
         help="folder mirroring the prompt caches on disk: entries are written after each "
              "reply and loaded at start (only those of this checkpoint, config and "
-             "--prefill-mode / --dspark)")
+             "--prefill-mode / --dspark; across ranks each rank keeps its share in its "
+             "own DIR)")
     add("--max-concurrent-requests", type=_number(int, 1, what="a positive integer"),
         default=DEFAULT_MAX_CONCURRENT,
         help="requests queued or running at most; more get HTTP 429 "
@@ -80,8 +81,6 @@ def build_app(args):
     from ..server.routes import ServerConfig, create_app
 
     group = distributed_loader(args)
-    if group and args.prompt_cache_dir:
-        raise ValueError("--prompt-cache-dir is not supported across ranks yet")
     model, tokenizer = (group or load)(args.model, prefill_mode=args.prefill_mode,
                                        dspark=args.dspark, head_dtype=args.head_dtype)
     if args.seed is not None:

@@ -20,9 +20,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.layer import CacheError, cache_bytes, trim_cache
-from ..cache.persistence import fingerprints, load_prompt_cache
-from ..generation.prompt_reuse import (PromptCache, kept_prefix, shared_spans,
-                                       write_prompt_cache)
+from ..cache.persistence import fingerprints
+from ..distributed.cache_files import rank_path
+from ..distributed.lines import share_line
+from ..generation.prompt_reuse import (PromptCache, kept_prefix, read_prompt_cache,
+                                       shared_spans, write_prompt_cache)
 
 log = logging.getLogger("mlx_v41.server")
 
@@ -77,7 +79,9 @@ class PromptCacheStore:
         self.folder = None if folder is None else Path(folder)
         self.entries: list[_Entry] = []
         self._clock = 0
-        self._identity = json.dumps(fingerprints(model), sort_keys=True)
+        self.link = getattr(model, "link", None)  # a rank of a group: files written together
+        self._identity = json.dumps({k: v for k, v in fingerprints(model).items()
+                                     if k != "group"}, sort_keys=True)
 
     @property
     def nbytes(self) -> int:
@@ -127,11 +131,12 @@ class PromptCacheStore:
         _touch(entry)
         return trial
 
-    def insert(self, state: PromptCache) -> Optional[_Entry]:
-        """Keep `state` (its cache must hold exactly its tokens); returns its entry, or None
-        when it is not kept. An entry the new one extends within its exact rollback is
-        dropped; the new one is not kept when an entry covers it or it alone is over budget."""
-        return self.apply(state, self.admit(state))
+    def insert(self, state: PromptCache, nbytes: Optional[int] = None) -> Optional[_Entry]:
+        """Keep `state` (its cache must hold exactly its tokens), counted as `nbytes` (default:
+        its cache's bytes); returns its entry, or None when it is not kept. An entry the new
+        one extends within its exact rollback is dropped; the new one is not kept when an
+        entry covers it or it alone is over budget."""
+        return self.apply(state, self.admit(state, nbytes))
 
     def admit(self, state: PromptCache, nbytes: Optional[int] = None) -> dict:
         """What `insert` does with `state`, counted as `nbytes` (default: its cache's bytes):
@@ -197,14 +202,18 @@ class PromptCacheStore:
         for entry in self.entries:
             if entry.is_written:
                 continue
-            entry.path = entry.path or self._file_for(entry.state)
-            try:
-                write_prompt_cache(entry.path, entry.state.cache, self.model,
+            name = self._file_for(entry.state)
+            try:  # across ranks every rank writes its share, or none does
+                write_prompt_cache(name, entry.state.cache, self.model,
                                    {"format": ENTRY_FORMAT, **entry.state.metadata()})
-                entry.is_written = True
+                entry.path, entry.is_written = self._own(name), True
             except OSError as e:
                 log.warning("prompt cache not persisted: %s", e)
                 entry.path = None
+
+    def _own(self, name: Path) -> Path:
+        """This rank's file of the entry file `name` (`name.rank<r>-of-<n>` on rank r > 0)."""
+        return name if self.link is None else rank_path(name, self.link)
 
     def load_folder(self) -> int:
         """Load the folder's entries of this model, most recently used first, as far as
@@ -215,25 +224,30 @@ class PromptCacheStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         files = sorted((p for p in self.folder.glob(f"*{SUFFIX}") if not p.name.startswith(".")),
                        key=lambda p: -p.stat().st_mtime)  # dot files: interrupted writes
+        if self.link is not None:  # every rank loads rank 0's files, in its order
+            names = share_line(self.link, json.dumps([p.name for p in files]))
+            files = [self.folder / name for name in json.loads(names)]
         loaded = []
         for path in files:
             state = self._read(path)
             if state is None:
                 continue
-            fits = self.nbytes + cache_bytes(state.cache)["total"] <= self.max_bytes
-            entry = self.insert(state) if fits else None
+            nbytes = largest_shares(self.link, [state])[0] if self.link is not None else \
+                cache_bytes(state.cache)["total"]
+            entry = self.insert(state, nbytes) if self.nbytes + nbytes <= self.max_bytes \
+                else None
             if entry is None:
-                path.unlink(missing_ok=True)
+                self._own(path).unlink(missing_ok=True)
                 continue
-            entry.path, entry.is_written = path, True
+            entry.path, entry.is_written = self._own(path), True
             loaded.append(entry)
         for entry in reversed(loaded):  # the newest file is the most recently used
             entry.used = self._tick()
         return len(self.entries)
 
     def _read(self, path: Path) -> Optional[PromptCache]:
-        try:
-            cache, meta = load_prompt_cache(path, self.model, return_metadata=True)
+        try:  # across ranks every rank reads its share, and all refuse if one cannot
+            cache, meta = read_prompt_cache(path, self.model)
         except CacheError as e:
             log.warning("prompt cache refused: %s", e)
             return None
@@ -282,3 +296,16 @@ def align_to_tokens(state: PromptCache) -> bool:
     except CacheError:
         return False
     return True
+
+
+def largest_shares(link, states: list) -> list:
+    """Per state, the most bytes its cache holds on any rank (None where a rank keeps none):
+    one `all_gather` of 2 int32s per state (bytes split at bit 31; -1 for none)."""
+    mine = []
+    for state in states:
+        n = None if state is None else cache_bytes(state.cache)["total"]
+        mine += [-1, 0] if n is None else [n >> 31, n & 0x7FFFFFFF]
+    shares = np.array(link.all_gather(mx.array(mine, mx.int32), "sharing prompt-cache sizes"),
+                      dtype=np.int64).reshape(link.size, len(states), 2)
+    return [None if (s[:, 0] < 0).any() else int(((s[:, 0] << 31) + s[:, 1]).max())
+            for s in shares.transpose(1, 0, 2)]

@@ -12,16 +12,14 @@ import threading
 from dataclasses import asdict
 
 import mlx.core as mx
-import numpy as np
 
-from ..cache.layer import cache_bytes
 from ..distributed.lines import share_line
 from ..distributed.link import DistributedError
 from ..generation.api import wired_limit
 from ..model.vision.prompt import prepare_prompt
 from .engine import Engine, Finish, Job, Settings
 from .processors import processors_from
-from .prompt_store import StoreMismatch
+from .prompt_store import StoreMismatch, largest_shares
 from .protocol import RequestError
 
 log = logging.getLogger("mlx_v41.server")
@@ -64,6 +62,7 @@ class GroupEngine(RankEngine):
     def __init__(self, model, tokenizer, store, **options):
         super().__init__(model, tokenizer, store, **options)
         self.is_pipeline = hasattr(model, "stage")
+        self._has_run = False  # a request ran since the last write of new cache files
 
     def submit(self, prompt, settings: Settings) -> Job:
         if settings.logprobs is not None and self.is_pipeline:
@@ -72,12 +71,20 @@ class GroupEngine(RankEngine):
         return super().submit(prompt, settings)
 
     def _run(self, job: Job) -> Finish:
+        self._has_run = True
         job.reuse = self.store.choose(job.prompt.ids, job.prompt.records())
         share_line(self.link, json.dumps(work_record(job)))
         return super()._run(job)
 
     def _is_cancelled(self, job: Job) -> bool:
         return share_flag(self.link, job.cancelled.is_set())
+
+    def _flush(self) -> None:
+        """The ranks write new cache files together, once after each request that ran (as the
+        followers do), never for one that was cancelled before it started."""
+        if self._has_run:
+            self._has_run = False
+            super()._flush()
 
     def _stopped(self) -> None:
         try:
@@ -93,7 +100,9 @@ class Follower(RankEngine):
         return share_flag(self.link, False)
 
     def follow(self) -> None:
-        """Run rank 0's requests until it stops."""
+        """Load the persisted prompt caches with rank 0, then run its requests until it
+        stops (writing new cache files with it after each)."""
+        self.store.load_folder()
         while (line := share_line(self.link, None)) is not None:
             job = FollowerJob(json.loads(line), self.model, self.tokenizer)
             try:
@@ -105,6 +114,7 @@ class Follower(RankEngine):
                 raise DistributedError(f"rank {self.link.rank}: {e}") from None
             except Exception:  # rank 0 fails the same way and its server goes on
                 log.exception("request failed")
+            self._flush()
 
 
 def work_record(job: Job) -> dict:
@@ -131,15 +141,3 @@ def share_flag(link, flag: bool) -> bool:
     mine = mx.array([int(flag) if link.rank == 0 else 0], mx.int32)
     return bool(link.all_sum(mine, "sharing a request's cancel").item())
 
-
-def largest_shares(link, states: list) -> list:
-    """Per state, the most bytes its cache holds on any rank (None where a rank keeps none):
-    one `all_gather` of 2 int32s per state (bytes split at bit 31; -1 for none)."""
-    mine = []
-    for state in states:
-        n = None if state is None else cache_bytes(state.cache)["total"]
-        mine += [-1, 0] if n is None else [n >> 31, n & 0x7FFFFFFF]
-    shares = np.array(link.all_gather(mx.array(mine, mx.int32), "sharing prompt-cache sizes"),
-                      dtype=np.int64).reshape(link.size, len(states), 2)
-    return [None if (s[:, 0] < 0).any() else int(((s[:, 0] << 31) + s[:, 1]).max())
-            for s in shares.transpose(1, 0, 2)]

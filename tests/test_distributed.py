@@ -411,10 +411,16 @@ def _reuse_lines(text: str) -> dict:
     """{rank: [cached tokens per request]} from the ranks' per-request log lines."""
     import re
 
-    out: dict = {}
+    out: dict = {0: [], 1: []}
     for rank, cached in re.findall(r"rank (\d+): \d+ prompt tokens \((\d+) cached", text):
-        out.setdefault(int(rank), []).append(int(cached))
+        out[int(rank)].append(int(cached))
     return out
+
+
+def _logged(count: int):
+    """`read_until`'s condition: both ranks logged `count` requests (the launcher forwards
+    each rank's stderr on its own, so either may come first)."""
+    return lambda server: all(len(v) >= count for v in _reuse_lines(server.err).values())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -456,7 +462,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
             status, got = post(port, "/v1/chat/completions", body)
             assert status == 200, got
             assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])
-            server.read_until(lambda s: len(_reuse_lines(s.err).get(1, [])) > k)
+            server.read_until(_logged(k + 1))
         assert _reuse_lines(server.err) == {0: cached, 1: cached}
         # a streamed reply whose client goes away after its first event
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -466,7 +472,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
         conn.close()
         status, got = post(port, "/v1/chat/completions", sampled)
         assert status == 200 and got["choices"] == expected[1]["choices"], got
-        server.read_until(lambda s: len(_reuse_lines(s.err).get(1, [])) == len(bodies) + 2)
+        server.read_until(_logged(len(bodies) + 2))
         reuse = _reuse_lines(server.err)
         assert reuse[0] == reuse[1], reuse
         status, got = post(port, "/v1/chat/completions", {**greedy, "logprobs": True})
@@ -487,7 +493,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
         assert status == 200 and got["choices"] == expected[0]["choices"], got
         prompt = got["usage"]["prompt_tokens"]
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
-        server.read_until(lambda s: len(_reuse_lines(s.err).get(1, [])) == 1)
+        server.read_until(_logged(1))
         assert _reuse_lines(server.err) == {0: [prompt - 1], 1: [prompt - 1]}
     finally:
         server.kill()

@@ -118,16 +118,52 @@ def test_image_prompt_over_a_pipeline_equals_one_process(tmp_path, capsys):
     assert code == 0 and text.split("=" * 10)[1] == one, text
 
 
+def _file_layers(path: Path, layers) -> dict:
+    """The arrays and records of `layers` in a prompt-cache file."""
+    import mlx.core as mx
+
+    arrays, info = mx.load(str(path), format="safetensors", return_metadata=True)
+    records = json.loads(info["layers"])
+    return {i: (records[i], {k: np.array(v) for k, v in arrays.items()
+                             if k.split(".")[0] == str(i)}) for i in layers}
+
+
+def _same_layers(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[i][0] == b[i][0] and a[i][1].keys() == b[i][1].keys() and
+        all(np.array_equal(a[i][1][k], b[i][1][k]) for k in a[i][1]) for i in a)
+
+
 def test_generate_cli_pipeline_matches_one_process(tmp_path, capsys):
-    """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7`: rank 0 alone prints, and the
-    sampled text (temperature 0.8, seed 3) is the one-process text."""
-    args = ["--model", golden_checkpoint("tiny"), "-p", "hello", "-m", "10", "--temp", "0.8",
-            "--seed", "3"]
-    result = launch(2, "-m", "mlx_v41.generate", *args, "--pipeline", "7")
-    assert generate_main([str(a) for a in args]) == 0
-    one = capsys.readouterr().out.split("=" * 10)[1]
+    """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7 --prompt-cache-file F`: rank 0
+    alone prints, and the sampled text (temperature 0.8, seed 3) is the one-process text. Each
+    rank saved its share of the prompt cache (F on rank 0, F.rank1-of-2 on rank 1), bit for bit
+    one process's layers; a new group loads them and, reusing the shared prefix, continues as
+    one process does from its own file."""
+    args = ["--model", golden_checkpoint("tiny"), "-m", "10", "--temp", "0.8", "--seed", "3"]
+    first, second = ["-p", "hello"], ["-p", "hello there"]
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one_file, two_file = tmp_path / "one" / "F", tmp_path / "two" / "F"
+    result = launch(2, "-m", "mlx_v41.generate", *args, *first, "--pipeline", "7",
+                    "--prompt-cache-file", two_file)
+    expected = []
+    for prompt in (first, second):
+        assert generate_main([str(a) for a in args + prompt] +
+                             ["--prompt-cache-file", str(one_file)]) == 0
+        out, err = capsys.readouterr()
+        expected.append((out.split("=" * 10)[1], err))
     assert result.stdout.count("=" * 10) == 2, result.stdout + result.stderr  # one rank printed
-    assert result.stdout.split("=" * 10)[1] == one
+    assert result.stdout.split("=" * 10)[1] == expected[0][0]
+    assert sorted(p.name for p in two_file.parent.iterdir()) == ["F", "F.rank1-of-2"]
+    assert _same_layers(_file_layers(two_file, range(7)), _file_layers(one_file, range(7)))
+    assert _same_layers(_file_layers(tmp_path / "two" / "F.rank1-of-2", range(7, 12)),
+                        _file_layers(one_file, range(7, 12)))
+    result = launch(2, "-m", "mlx_v41.generate", *args, *second, "--pipeline", "7",
+                    "--prompt-cache-file", two_file)
+    assert result.stdout.split("=" * 10)[1] == expected[1][0], result.stderr
+    reuse = [ln for ln in expected[1][1].splitlines() if ln.startswith("prompt cache: reusing")]
+    assert len(reuse) == 1 and 0 < int(reuse[0].split()[3]) < int(reuse[0].split()[5])
+    assert result.stderr.count(reuse[0]) == 2, result.stderr  # both ranks reused as much
 
 
 def _flip_embedding_byte(folder: Path) -> None:
@@ -241,7 +277,7 @@ def test_stuck_rank_ends_the_others(tmp_path, switch):
 CHAT_FLAGS = ["-m", "5", "--prefill-step-size", "32", "--dspark"]
 CHAT_SCRIPT = ["Hello", "/thinking off", "/dspark on", "Again", "/stats", "/reset",
                "Grüße, 世界", "/thinking on"]  # UTF-8
-REFUSED = {2: "/save {tmp}/session.bin", 8: "/image {tmp}/missing.png"}
+REFUSED = {8: "/image {tmp}/missing.png"}
 
 
 def vision_chat(tmp_path: Path, script: list, at: int) -> tuple:
@@ -354,12 +390,8 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
                         c.err.count("error: ") == len(REFUSED))  # two pipes: either first
         assert comparable(chat.out) == expected
         refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
-        assert refusals == [f"error: {c} is not available with --pipeline ({why})" for c, why in
-                            (("/save", "prompt-cache files are not written or read across "
-                                       "ranks yet"),)] + [
-            f"error: {tmp_path}/missing.png: cannot read the image file (No such file or "
-            "directory)"]
-        assert not (tmp_path / "session.bin").exists()
+        assert refusals == [f"error: {tmp_path}/missing.png: cannot read the image file (No "
+                            "such file or directory)"]
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
         chat.read_until(lambda c: "prefill " in c.err[start:])
@@ -383,13 +415,47 @@ def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsy
     done = subprocess.run(
         [*mlx_launch(2), "-m", "mlx_v41.chat", "--model", str(folder), *CHAT_FLAGS,
          "--tensor-parallel"],
-        input="".join(f"{line}\n" for line in script) + f"/load {tmp_path}/none.bin\n/quit\n",
+        input="".join(f"{line}\n" for line in script) + "/bogus\n/quit\n",
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert comparable(done.stdout) == expected
     assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [
-        "error: /load is not available with --tensor-parallel (prompt-cache files are not "
-        "written or read across ranks yet)"]
+        "error: unknown command '/bogus' (/help lists them)"]
+
+
+def test_chat_under_tensor_parallel_saves_loads_and_quits(tmp_path, capsys, monkeypatch):
+    """`--tensor-parallel`: the transcript is one process's through /save and, after /reset,
+    /load of the group's files (each rank its own: s.bin, s.bin.rank1-of-2). A /load that a
+    rank cannot do (rank 1's file missing; a one-process file on rank 0) is refused in one line
+    on every rank, the session unchanged (the next reply is one process's). /quit ends every
+    rank with status 0 (mlx.launch never passes the end of its stdin on)."""
+    import shutil
+
+    session = tmp_path / "s.bin"
+    script = ["Hello", f"/save {session}", "Again", "/reset", f"/load {session}", "More"]
+    expected = comparable(one_process_chat(script, capsys, monkeypatch, golden_checkpoint("tiny")))
+    session.rename(tmp_path / "one.bin")  # a one-process file
+    chat = Launched(2, "-m", "mlx_v41.chat", "--model", golden_checkpoint("tiny"), *CHAT_FLAGS,
+                    "--tensor-parallel")
+    try:
+        chat.send(script[:2])
+        chat.read_until(lambda c: "[saved to" in c.out)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["one.bin", "s.bin",
+                                                              "s.bin.rank1-of-2"]
+        shutil.copyfile(session, tmp_path / "half.bin")  # rank 1 has no half.bin.rank1-of-2
+        chat.send([f"/load {tmp_path}/half.bin", f"/load {tmp_path}/one.bin", *script[2:]])
+        chat.read_until(lambda c: c.err.count("error: ") == 2 and
+                        c.out.count("\n") >= expected.count("\n") + 1)
+        assert comparable(chat.out) == expected
+        refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
+        assert refusals[0].startswith(f"error: rank 1: {tmp_path}/half.bin.rank1-of-2: not a "
+                                      "readable prompt-cache file"), refusals
+        assert refusals[1] == f"error: rank 0: {tmp_path}/one.bin: the cache was made by one " \
+            "process; this is rank 0 of 2 (tensor parallel x2)"
+        chat.send(["/quit"])
+        assert chat.proc.wait(timeout=TIMEOUT) == 0, chat.err
+    finally:
+        chat.kill()
 
 
 # ---------------------------------------------------------------- mlx_v41.server over the ranks
@@ -442,7 +508,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
                "max_tokens": 8, "stop": ["ll"]}
     image = {**greedy, "messages": [image_message("Which is red?", twin_images(tmp_path)[0])]}
     bodies = (greedy, image, sampled)
-    one = LiveServer(*mlx_v41.load(folder, dspark=True), cache_bytes=0, draft="dspark")
+    one = LiveServer(*mlx_v41.load(folder, dspark=True), draft="dspark")
     try:
         expected = [post(one.port, "/v1/chat/completions", body)[1] for body in bodies]
     finally:
@@ -469,6 +535,103 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
             got["error"]["message"]
         os.kill(_rank_pid(server.proc.pid, 0), signal.SIGINT)  # uvicorn's graceful stop
         assert server.proc.wait(timeout=30) == 0, server.err  # rank 1 told, not lost
+    finally:
+        server.kill()
+
+
+SERVER_CACHE_BYTES = 80_000  # one tiny-model entry fits, not two, both for one process
+# (~61 KB a cache) and for the pipeline's largest share (rank 0's, ~47 KB); rank 1's share
+# (~14 KB) alone would keep five, so a rank deciding by its own bytes reuses another prefix
+
+
+def _reuse_lines(text: str) -> dict:
+    """{rank: [cached tokens per request]} from the ranks' per-request log lines."""
+    import re
+
+    out: dict = {0: [], 1: []}
+    for rank, cached in re.findall(r"rank (\d+): \d+ prompt tokens \((\d+) cached", text):
+        out[int(rank)].append(int(cached))
+    return out
+
+
+def _logged(count: int):
+    """`read_until`'s condition: both ranks logged `count` requests (the launcher forwards
+    each rank's stderr on its own, so either may come first)."""
+    return lambda server: all(len(v) >= count for v in _reuse_lines(server.err).values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_server_prompt_reuse_over_a_pipeline_equals_one_process(tmp_path):
+    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline` (plain decoding, tiny checkpoint): the
+    replies (greedy; seeded sampling with a penalty and a stop string) are one process's,
+    with the same prompt reuse (`cached_tokens`) under a byte bound that evicts: every rank
+    logs the same reused prefix for every request (rank 0 decides for all). A client that
+    disconnects mid-stream cancels on every rank (the next reply is still one process's);
+    logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank. With
+    --prompt-cache-dir every rank wrote its share of each kept entry, and a restarted group
+    loads them and reuses them on every rank."""
+    import http.client
+    import signal
+
+    from server_harness import LiveServer, post, tiny
+
+    greedy = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+              "temperature": 0}
+    sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
+               "max_tokens": 8, "stop": ["ll"]}
+    other = {**greedy, "messages": [{"role": "user", "content": "Bye now"}]}
+    bodies = (greedy, sampled, other, greedy)  # the last: Hello's entry was evicted
+    one = LiveServer(*tiny(), cache_bytes=SERVER_CACHE_BYTES)
+    try:
+        expected = [post(one.port, "/v1/chat/completions", body)[1] for body in bodies]
+    finally:
+        one.close()
+    cached = [e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in expected]
+    assert cached[0] == 0 and cached[1] == expected[1]["usage"]["prompt_tokens"] - 1
+    assert 0 < cached[3] < cached[1]  # the scenario evicts (the template's start is reused)
+    port, folder = _free_ports(1)[0], tmp_path / "prompts"
+    flags = ["--model", golden_checkpoint("tiny"), "--port", port, "--pipeline", "--log-level",
+             "DEBUG", "--prompt-cache-bytes", SERVER_CACHE_BYTES, "--prompt-cache-dir", folder]
+    server = Launched(2, "-m", "mlx_v41.server", *flags)
+    try:
+        _wait_for_health(server, port)
+        for k, (body, want) in enumerate(zip(bodies, expected)):
+            status, got = post(port, "/v1/chat/completions", body)
+            assert status == 200, got
+            assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])
+            server.read_until(_logged(k + 1))
+        assert _reuse_lines(server.err) == {0: cached, 1: cached}
+        # a streamed reply whose client goes away after its first event
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/chat/completions",
+                     json.dumps({**greedy, "max_tokens": 400, "stream": True}))
+        assert conn.getresponse().read(6) == b"data: "
+        conn.close()
+        status, got = post(port, "/v1/chat/completions", sampled)
+        assert status == 200 and got["choices"] == expected[1]["choices"], got
+        server.read_until(_logged(len(bodies) + 2))
+        reuse = _reuse_lines(server.err)
+        assert reuse[0] == reuse[1], reuse
+        status, got = post(port, "/v1/chat/completions", {**greedy, "logprobs": True})
+        assert status == 400 and "logprobs are not available under --pipeline" in \
+            got["error"]["message"]
+        os.kill(_rank_pid(server.proc.pid, 0), signal.SIGINT)  # uvicorn's graceful stop
+        assert server.proc.wait(timeout=30) == 0, server.err  # rank 1 told, not lost
+    finally:
+        server.kill()
+    # the entries kept, each as a file per rank; a restarted group loads them and reuses
+    names = sorted(p.name for p in folder.iterdir())
+    assert names and sorted(n for n in names if ".rank" not in n) == \
+        sorted(n[:-len(".rank1-of-2")] for n in names if n.endswith(".rank1-of-2")), names
+    server = Launched(2, "-m", "mlx_v41.server", *flags)
+    try:
+        _wait_for_health(server, port)
+        status, got = post(port, "/v1/chat/completions", greedy)
+        assert status == 200 and got["choices"] == expected[0]["choices"], got
+        prompt = got["usage"]["prompt_tokens"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+        server.read_until(_logged(1))
+        assert _reuse_lines(server.err) == {0: [prompt - 1], 1: [prompt - 1]}
     finally:
         server.kill()
 

@@ -140,3 +140,78 @@ def test_checkpoint_reader_has_no_writer():
     and then renamed a file that did not exist."""
     from mlx_v41.checkpoint import safetensors_io
     assert not hasattr(safetensors_io, "save_safetensors")
+
+
+# ------------------------------------------------------------- across ranks (a stub group)
+
+class StubLink:
+    """Rank 0 of a 2-rank group whose rank 1 sends `other` in every `exchange` (and zeros to
+    every `all_sum`)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, other: dict):
+        self.other = json.dumps(other).encode()
+
+    def all_sum(self, x, what):
+        return x
+
+    def all_gather(self, x, what):
+        if x.dtype == mx.int32:  # the records' lengths
+            return mx.concatenate([x, mx.array([len(self.other)], mx.int32)])
+        theirs = self.other + b"\0" * (x.size - len(self.other))
+        return mx.concatenate([x, mx.array(list(theirs), mx.uint8)])
+
+
+class Rank0:
+    """`model` as rank 0 of a 2-rank pipeline split at layer 6."""
+
+    ranges = [(0, 6), (6, 12)]
+
+    def __init__(self, model, other: dict):
+        self.model, self.link = model, StubLink(other)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_group_save_lands_only_when_every_rank_wrote(tmp_path, model, prompt_cache):
+    from mlx_v41.generation.prompt_reuse import write_prompt_cache
+
+    path = saved(tmp_path / "s.bin", model)  # an older one-process file stays as it was
+    before = path.read_bytes()
+    with pytest.raises(OSError, match=r"^rank 1: disk full$"):
+        write_prompt_cache(path, prompt_cache, Rank0(model, {"error": "disk full"}), {})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+    write_prompt_cache(path, prompt_cache, Rank0(model, {"error": None}), {"k": "v"})
+    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]  # rank 1's is on its machine
+    group = json.loads(mx.load(str(path), format="safetensors", return_metadata=True)[1]["group"])
+    assert group == {"rank": 0, "size": 2, "split": [[0, 6], [6, 12]]}
+    refused(path, model, "made by rank 0 of 2 (pipeline 0-5, 6-11); this is one process")
+
+
+def test_a_group_load_is_used_only_if_every_rank_read_the_same_save(tmp_path, model,
+                                                                    prompt_cache):
+    from mlx_v41.distributed.cache_files import SAVE_ID
+    from mlx_v41.generation.prompt_reuse import read_prompt_cache, write_prompt_cache
+
+    path = tmp_path / "s.bin"
+    write_prompt_cache(path, prompt_cache, Rank0(model, {"error": None}), {"k": "v"})
+    save = json.loads(mx.load(str(path), format="safetensors",
+                              return_metadata=True)[1]["user"])[SAVE_ID]
+    cache, meta = read_prompt_cache(path, Rank0(model, {"error": None, "save": save,
+                                                       "budget": 2}))
+    assert meta == {"k": "v"} and {c.trim_budget for c in cache} == {2}  # the group's least
+    assert cache[0].offset == prompt_cache[0].offset
+    for other, message in (({"error": "s.bin.rank1-of-2: no such file"},
+                            "rank 1: s.bin.rank1-of-2: no such file"),
+                           ({"error": None, "save": "another", "budget": 9},
+                            f"{path}: rank 1's file is not from the same save as rank 0's "
+                            "(save all ranks again)")):
+        with pytest.raises(CacheError) as info:
+            read_prompt_cache(path, Rank0(model, other))
+        assert str(info.value) == message
+    one = saved(tmp_path / "one.bin", model)
+    with pytest.raises(CacheError, match=r"^rank 0: .*one.bin: the cache was made by one "
+                                         r"process; this is rank 0 of 2 \(pipeline 0-5, 6-11\)$"):
+        read_prompt_cache(one, Rank0(model, {"error": "not checked"}))

@@ -255,6 +255,52 @@ def test_store_drops_an_entry_the_new_one_covers():
     assert store.insert(short) is None  # covered by `longer`: not kept twice
 
 
+def test_a_store_applying_another_stores_decisions_ends_alike():
+    """Across ranks rank 0's store decides, counting each cache at its largest share, and the
+    others apply the decisions to their own caches: they hold the same keys, and their
+    `take` of rank 0's choice holds the same tokens. Deciding by its own (smaller) bytes the
+    follower would keep more (the ranks would then reuse different prefixes)."""
+    model, tokenizer = tiny()
+    states = [state_for(model, tokenizer, f"prompt number {k} " * 3) for k in range(4)]
+    one = max(cache_bytes(s.cache)["total"] for s in states)
+    leader = PromptCacheStore(model, 2 * one)
+    follower, alone = PromptCacheStore(model, 2 * one), PromptCacheStore(model, 2 * one)
+    for k, state in enumerate(states):
+        choice = leader.choose(state.tokens)
+        assert follower.take(choice).tokens == leader.take(choice).tokens
+        decision = leader.admit(state, one - k)  # the largest share, counted on rank 0
+        leader.apply(state, decision)
+        follower.apply(state.copy(), json.loads(json.dumps(decision)))
+        alone.apply(state, alone.admit(state, one // 3))  # its own smaller share
+    assert [e.key for e in follower.entries] == [e.key for e in leader.entries]
+    assert [e.state.tokens for e in leader.entries] == [s.tokens for s in states[2:]]
+    assert len(alone.entries) == 4
+
+
+class ShareLink:
+    """`Link.all_gather` of a group whose other ranks hold `others` (one list per rank)."""
+
+    def __init__(self, *others):
+        self.others, self.size = others, len(others) + 1
+
+    def all_gather(self, x, what):
+        import mlx.core as mx
+
+        return mx.concatenate([x, *(mx.array(o, mx.int32) for o in self.others)])
+
+
+def test_largest_shares_over_the_ranks():
+    from mlx_v41.server.ranks import largest_shares
+
+    model, tokenizer = tiny()
+    state = state_for(model, tokenizer, "a cached prompt")
+    mine = cache_bytes(state.cache)["total"]
+    big = 5 * 2**31 + 7  # over an int32: travels as two
+    assert largest_shares(ShareLink([0, 100, big >> 31, big & 0x7FFFFFFF]),
+                          [state, state]) == [mine, big]
+    assert largest_shares(ShareLink([-1, 0, 0, 1]), [state, None]) == [None, None]
+
+
 def test_align_trims_drafts_a_stream_fed_but_did_not_yield():
     model, tokenizer = tiny()
     state = state_for(model, tokenizer, "drafts were fed to the cache but never yielded")
@@ -307,9 +353,8 @@ def test_console_script_and_dispatch(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--pipeline"], "--pipeline needs two or more processes: start them with mlx.launch"),
     (["--tensor-parallel", "--prompt-cache-dir", "cache"],
-     "--prompt-cache-dir is not supported across ranks yet")])
-def test_distributed_flags_without_a_group_or_with_a_cache_dir_are_one_line(flags, message,
-                                                                            capsys):
+     "--tensor-parallel needs two or more processes")])
+def test_distributed_flags_without_a_group_are_one_line(flags, message, capsys):
     """Bad distributed flags end in one line before any model is loaded (the folder does not
     exist); a real group is tested in tests/test_distributed.py."""
     assert cli.main(["--model", "/nonexistent/model", *flags]) == 1

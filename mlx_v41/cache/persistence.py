@@ -1,8 +1,9 @@
 """Saving, loading and copying whole-model caches (prompt caches).
 
 A file is one safetensors with every layer's packed state and a metadata block naming what the
-cache depends on: the text config, the weights and the prefill mode, each fingerprinted
-separately so that a refusal can name the part that differs. mlx-lm's
+cache depends on: the text config, the weights and the prefill mode (and, for a rank's share
+across ranks, its rank and the group's split), each fingerprinted separately so that a
+refusal can name the part that differs. mlx-lm's
 `save_prompt_cache`/`load_prompt_cache` cannot be used as is: its loader only rebuilds its own
 cache classes. Its `can_trim_prompt_cache`/`trim_prompt_cache` work on our caches
 (`is_trimmable`/`trim`), but `trim_cache` here is atomic across layers.
@@ -57,8 +58,13 @@ def fingerprints(model) -> dict:
     """What a cache depends on, as metadata strings: config, weights and prefill mode (an
     approximate `ced_replay` cache or another CED halo must not feed an exact model)."""
     prefill = {"prefill_mode": model.prefill_mode, "ced_rollback": model.ced_rollback}
-    return {"config": config_fingerprint(model), "weights": weights_fingerprint(model),
-            "prefill": json.dumps(prefill, sort_keys=True)}
+    out = {"config": config_fingerprint(model), "weights": weights_fingerprint(model),
+           "prefill": json.dumps(prefill, sort_keys=True)}
+    link = getattr(model, "link", None)  # a rank of a group holds its share of the cache
+    if link is not None:
+        out["group"] = json.dumps({"rank": link.rank, "size": link.size,
+                                   "split": model.ranges}, sort_keys=True)
+    return out
 
 
 def _layer_state(i: int, c: LayerCache) -> tuple[dict, dict]:
@@ -83,6 +89,21 @@ def _layer_state(i: int, c: LayerCache) -> tuple[dict, dict]:
 
 def save_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None) -> None:
     """Write `cache` to `path` (any file name) atomically, with optional string metadata."""
+    commit_staged(stage_prompt_cache(path, cache, model, metadata), path)
+
+
+def commit_staged(staged: Path, path) -> None:
+    """Rename a staged file to `path` (a failure leaves the old file and no staged one)."""
+    try:
+        os.replace(staged, path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+
+
+def stage_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None) -> Path:
+    """Write what `save_prompt_cache` would to a new hidden sibling of `path`, returned for
+    the caller to rename to `path` (or delete): a failed write leaves nothing behind."""
     arrays, layers = {}, []
     for i, c in enumerate(cache):
         a, meta = _layer_state(i, c)
@@ -90,19 +111,15 @@ def save_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None)
         layers.append(meta)
     info = {"format": FORMAT, **fingerprints(model), "layers": json.dumps(layers),
             "user": json.dumps(metadata or {})}
-    _write_atomic(Path(path), arrays, info)
-
-
-def _write_atomic(path: Path, arrays: dict, info: dict) -> None:
-    """MLX appends `.safetensors` to any other name, so write a uniquely named `.safetensors`
-    sibling and rename it to the exact name; a failed write leaves the old file as it was."""
+    # MLX appends `.safetensors` to any other name, so the sibling carries it.
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp.safetensors")
     try:
         mx.save_safetensors(str(tmp), arrays, metadata=info)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return tmp
 
 
 def load_prompt_cache(path, model, return_metadata: bool = False):
@@ -150,6 +167,18 @@ def _check_origin(path: Path, info: dict, model) -> None:
         raise CacheError(f"{path}: the cache was made with another prefill mode "
                          f"({_prefill_text(info.get('prefill'))}; this model: "
                          f"{_prefill_text(expected['prefill'])})")
+    if info.get("group") != expected.get("group"):
+        raise CacheError(f"{path}: the cache was made by {_group_text(info.get('group'))}; "
+                         f"this is {_group_text(expected.get('group'))}")
+
+
+def _group_text(group: Optional[str]) -> str:
+    if group is None:
+        return "one process"
+    g = json.loads(group)
+    split = g["split"] if isinstance(g["split"], str) else \
+        "pipeline " + ", ".join(f"{a}-{b - 1}" for a, b in g["split"])
+    return f"rank {g['rank']} of {g['size']} ({split})"
 
 
 def _prefill_text(prefill: Optional[str]) -> str:

@@ -17,8 +17,8 @@ from . import format as cf
 from ..cache.layer import CacheError, cache_bytes
 from ..generation.api import (DEFAULT_PREFILL_STEP_SIZE, GenerationResponse, check_context,
                               prefill, stream_decode, wired_limit)
-from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
-from ..cache.persistence import load_prompt_cache
+from ..generation.prompt_reuse import (PromptCache, read_prompt_cache, reuse_prompt_cache,
+                                       write_prompt_cache)
 from ..generation.api import PrefillProgress
 from ..generation.speculative import MAX_DRAFT_TOKENS, DraftStats, check_draft_settings
 from ..model.vision.preprocess import image_reference, load_image
@@ -230,7 +230,7 @@ class ChatSession:
     def load(self, path) -> None:
         """Replace this session by a saved one (same config, weights and prefill mode;
         CacheError naming the difference otherwise)."""
-        cache, meta = load_prompt_cache(path, self.model, return_metadata=True)
+        cache, meta = read_prompt_cache(path, self.model)
         if meta.get("format") != SESSION_FORMAT:
             raise CacheError(f"{path}: a prompt cache, but not a saved chat session")
         self.reset()

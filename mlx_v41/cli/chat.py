@@ -45,10 +45,6 @@ HELP = """commands:
   /dspark [on|off]      toggle DSpark speculative decoding (needs --dspark)
   /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
 
-# The commands the ranks of a group cannot run yet, and why.
-FILES_ACROSS_RANKS = "prompt-cache files are not written or read across ranks yet"
-REFUSED_ACROSS_RANKS = {"/save": FILES_ACROSS_RANKS, "/load": FILES_ACROSS_RANKS}
-
 
 @dataclass
 class Ranks:
@@ -61,19 +57,14 @@ class Ranks:
     rank: int
 
 
-
-def run_command(session: ChatSession, line: str, out, err=None,
-                ranks: Optional[Ranks] = None) -> bool:
+def run_command(session: ChatSession, line: str, out, err=None) -> bool:
     """Carry out a /command; False means quit."""
     err = err or sys.stderr
     name, _, arg = line.partition(" ")
     name, arg = {"q": "/quit", "r": "/reset", "h": "/help"}.get(name, name), arg.strip()
     if name in ("/quit", "/exit"):
         return False
-    if ranks is not None and name in REFUSED_ACROSS_RANKS:
-        print(f"error: {name} is not available with {ranks.switch} "
-              f"({REFUSED_ACROSS_RANKS[name]})", file=err)
-    elif name == "/help":
+    if name == "/help":
         print(HELP, file=out)
     elif name == "/reset":
         session.reset()
@@ -103,7 +94,6 @@ def run_command(session: ChatSession, line: str, out, err=None,
     return True
 
 
-
 def switch_dspark(session: ChatSession, arg: str, out) -> None:
     """/dspark [on|off]: speculative decoding for the next turns (a model with the drafter)."""
     is_on = {"on": True, "off": False}.get(arg, session.draft is None)
@@ -112,7 +102,6 @@ def switch_dspark(session: ChatSession, arg: str, out) -> None:
                          "(a checkpoint with the mtp.* tensors)")
     session.draft = "dspark" if is_on else None
     print(f"[dspark {'on' if is_on else 'off'}]", file=out)
-
 
 
 class LineReader:
@@ -175,7 +164,7 @@ def repl(session: ChatSession, interactive: bool, out=None, stream=None,
             continue
         try:
             if line.startswith("/") or line in ("q", "r", "h"):
-                if not run_command(session, line, out, err, ranks):
+                if not run_command(session, line, out, err):
                     return 0
                 continue
             for response in session.reply(line):

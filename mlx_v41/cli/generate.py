@@ -19,12 +19,12 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..cache.layer import CacheError
-from ..cache.persistence import load_prompt_cache
 from ..checkpoint.source import DEMO, load
 from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
                    decode_settings)
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
-from ..generation.prompt_reuse import PromptCache, reuse_prompt_cache, write_prompt_cache
+from ..generation.prompt_reuse import (PromptCache, prompt_cache_exists, read_prompt_cache,
+                                       reuse_prompt_cache, write_prompt_cache)
 from ..generation.api import PrefillProgress
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..distributed.link import DistributedError, is_backend_error
@@ -43,7 +43,8 @@ def setup_arg_parser() -> ArgumentParser:
                         help="prompt cache file (mlx_v41 format, any name, e.g. a saved chat "
                              "session made with the same model, --prefill-mode and "
                              "--dspark): its cached prefix of this prompt is reused; written "
-                             "with this prompt when the file does not exist")
+                             "with this prompt when the file does not exist (across "
+                             "ranks: rank r's share in FILE.rank<r>-of-<n>, rank 0's in FILE)")
     add_distributed_arguments(parser)
     parser.add_argument("--image", action="extend", nargs="+", default=[], metavar="IMAGE",
                         help="an image (path, URL or data: URI); repeatable. They go before "
@@ -73,7 +74,7 @@ def user_content(text: str, images) -> object:
 
 
 def _cached_prefix(path: Path, model, tokens, images: list) -> PromptCache:
-    cache, meta = load_prompt_cache(path, model, return_metadata=True)
+    cache, meta = read_prompt_cache(path, model)
     if "tokens" not in meta:
         raise CacheError(f"{path}: the prompt cache does not record its tokens")
     reused, _ = reuse_prompt_cache(model, tokens, [PromptCache.from_metadata(cache, meta)],
@@ -103,7 +104,8 @@ def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
     prompt = prepare_shared_prompt(model, prompt_tokens(args, tokenizer), args.image)
     tokens, records = prompt.ids, prompt.records()
     path = Path(args.prompt_cache_file) if args.prompt_cache_file else None
-    state = _cached_prefix(path, model, tokens, records) if path and path.exists() else \
+    is_saved = path is not None and prompt_cache_exists(path, model)
+    state = _cached_prefix(path, model, tokens, records) if is_saved else \
         PromptCache(model.make_cache())
     todo = tokens[len(state.tokens):]
     tic = time.perf_counter()
@@ -111,7 +113,7 @@ def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
                      PrefillProgress(args.prefill_step_size),
                      prompt.inputs(model, len(state.tokens)))
     seconds = time.perf_counter() - tic
-    if path and not path.exists():
+    if path and not is_saved:
         write_prompt_cache(path, state.cache, model,
                            {**PromptCache(state.cache, tokens, records).metadata(),
                             "model": str(args.model)})

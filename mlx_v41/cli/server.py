@@ -50,11 +50,13 @@ def setup_arg_parser() -> ArgumentParser:
         help=f"port (default {DEFAULT_PORT})")
     add("--prompt-cache-bytes", type=parse_size, default=parse_size(DEFAULT_PROMPT_CACHE_BYTES),
         help="bytes of cached prompt prefixes kept in memory, least recently used dropped "
-             f"first (default {DEFAULT_PROMPT_CACHE_BYTES}; 0 turns reuse off)")
+             f"first (default {DEFAULT_PROMPT_CACHE_BYTES}; 0 turns reuse off; across "
+             "ranks, on each rank)")
     add("--prompt-cache-dir", default=None,
         help="folder mirroring the prompt caches on disk: entries are written after each "
              "reply and loaded at start (only those of this checkpoint, config and "
-             "--prefill-mode / --dspark)")
+             "--prefill-mode / --dspark; across ranks each rank keeps its share in its "
+             "own DIR)")
     add("--max-concurrent-requests", type=_number(int, 1, what="a positive integer"),
         default=DEFAULT_MAX_CONCURRENT,
         help="requests queued or running at most; more get HTTP 429 "
@@ -63,7 +65,8 @@ def setup_arg_parser() -> ArgumentParser:
         help="decoded bytes of one image part at most; larger ones get HTTP 400 "
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level (default INFO)")
+        help="logging level (default INFO; across ranks, DEBUG has every rank log its "
+             "requests)")
     add_distributed_arguments(parser)
     return parser
 
@@ -78,8 +81,6 @@ def build_app(args):
     from ..server.routes import ServerConfig, create_app
 
     group = distributed_loader(args)
-    if group and args.prompt_cache_dir:
-        raise ValueError("--prompt-cache-dir is not supported across ranks yet")
     model, tokenizer = (group or load)(args.model, prefill_mode=args.prefill_mode,
                                        dspark=args.dspark, head_dtype=args.head_dtype)
     if args.seed is not None:
@@ -89,8 +90,7 @@ def build_app(args):
         from ..server.ranks import Follower, GroupEngine
 
         kind = GroupEngine if model.link.rank == 0 else Follower
-    store = PromptCacheStore(model, 0 if group else args.prompt_cache_bytes,
-                             args.prompt_cache_dir)
+    store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir)
     engine = kind(model, tokenizer, store, prefill_step_size=args.prefill_step_size,
                     draft="dspark" if args.dspark else None,
                     num_draft_tokens=args.num_draft_tokens,
@@ -118,7 +118,8 @@ def main(argv: Optional[list] = None) -> int:
         return 1
     engine = app.state.engine
     if getattr(engine, "follow", None):  # a rank other than 0 of a group: no HTTP
-        logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)  # rank 0 logs requests
+        if args.log_level != "DEBUG":  # rank 0 logs requests; DEBUG: every rank does
+            logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)
         return follow(engine)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)

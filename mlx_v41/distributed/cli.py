@@ -31,8 +31,6 @@ def distributed_loader(args):
         raise ValueError("--pipeline and --tensor-parallel do not combine: choose one")
     if not (args.pipeline or args.tensor_parallel):
         return None
-    if getattr(args, "prompt_cache_file", None):
-        raise ValueError(f"--prompt-cache-file is not supported with {switch} yet")
 
     def load(path, **options):
         # The vision tower loads on rank 0: in mlx_v41.generate only for --image, in the chat

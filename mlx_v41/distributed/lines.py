@@ -1,10 +1,12 @@
 """Rank 0's input lines on every rank: an interactive program under `--pipeline` or
 `--tensor-parallel` (the chat REPL) reads its terminal or stdin on rank 0 alone, and each line,
 or the end of input, reaches the other ranks over the group, so every rank runs the same turn.
-One line costs two `all_sum`s (its byte length, then its UTF-8 bytes; the others add zeros)."""
+One line costs two `all_sum`s (its byte length, then its UTF-8 bytes; the others add zeros).
+`exchange` gives every rank every rank's small JSON record (agreeing on a file operation)."""
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -43,3 +45,14 @@ def shared_readline(link: Link, readline: Callable[[], Optional[str]]):
         return share_line(link, line)
 
     return read
+
+
+def exchange(link: Link, record: dict, what: str) -> list:
+    """Every rank's JSON `record`, in rank order, on every rank: two `all_gather`s (the byte
+    lengths, then the records padded to the longest)."""
+    data = json.dumps(record).encode()
+    lengths = link.all_gather(mx.array([len(data)], mx.int32), what).tolist()
+    padded = np.zeros(max(lengths), np.uint8)
+    padded[:len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.array(link.all_gather(mx.array(padded), what)).reshape(link.size, -1)
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths)]

@@ -13,7 +13,8 @@ from typing import List, Optional, Sequence
 
 
 from ..cache.layer import CacheError, trim_cache
-from ..cache.persistence import copy_cache, save_prompt_cache
+from ..cache.persistence import (commit_staged, copy_cache, load_prompt_cache,
+                                 stage_prompt_cache)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -65,8 +66,12 @@ class PromptCache:
         leaves at least one prompt token to run (its logits start the reply). Returns the
         tokens kept, or None (the cache unchanged) when the rollback is more than the cache
         can undo exactly."""
-        keep = min(_common_prefix(self.tokens, prompt), len(prompt) - 1)
-        keep = shared_spans(keep, self.images, list(images))
+        return self.rewind_to(kept_prefix(_common_prefix(self.tokens, prompt), len(prompt),
+                                          self.images, images))
+
+    def rewind_to(self, keep: int) -> Optional[int]:
+        """Trim to the first `keep` tokens; `keep`, or None (unchanged) past the exact
+        rollback."""
         try:
             trim_cache(self.cache, len(self.tokens) - keep)
         except CacheError:
@@ -74,6 +79,13 @@ class PromptCache:
         del self.tokens[keep:]
         self.images = [r for r in self.images if r["start"] < keep]
         return keep
+
+
+def kept_prefix(common: int, prompt_length: int, held: list, wanted: Sequence[dict]) -> int:
+    """Tokens a cache keeps for a prompt it shares `common` tokens with: at least one prompt
+    token is left to run (its logits start the reply), and none past an image span that
+    differs (`shared_spans`)."""
+    return shared_spans(min(common, prompt_length - 1), held, list(wanted))
 
 
 
@@ -95,11 +107,41 @@ def reuse_prompt_cache(model, prompt: Sequence[int], candidates, images: Sequenc
 
 
 def write_prompt_cache(path, cache: list, model, metadata: dict) -> None:
-    """`save_prompt_cache` with file-system problems reported as OSError naming the file."""
+    """`save_prompt_cache` with file-system problems reported as OSError naming the file; on a
+    rank of a group, every rank writes its share (`distributed.cache_files`)."""
+    if getattr(model, "link", None) is not None:
+        from ..distributed.cache_files import save_across_ranks
+
+        return save_across_ranks(path, cache, model, metadata, stage_cache_file)
+    commit_staged(stage_cache_file(path, cache, model, metadata), path)
+
+
+def read_prompt_cache(path, model) -> tuple:
+    """(cache, metadata) of a prompt-cache file (`load_prompt_cache`); on a rank of a group,
+    every rank reads its share, and all refuse if one cannot."""
+    if getattr(model, "link", None) is not None:
+        from ..distributed.cache_files import load_across_ranks
+
+        return load_across_ranks(path, model)
+    return load_prompt_cache(path, model, return_metadata=True)
+
+
+def prompt_cache_exists(path, model) -> bool:
+    """Whether the prompt-cache file exists (on a rank of a group: on any rank)."""
+    link = getattr(model, "link", None)
+    if link is not None:
+        from ..distributed.cache_files import exists_on_any_rank
+
+        return exists_on_any_rank(path, link)
+    return Path(path).exists()
+
+
+def stage_cache_file(path, cache: list, model, metadata: dict) -> Path:
+    """`stage_prompt_cache` with file-system problems reported as OSError naming the file."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such folder")
     try:
-        save_prompt_cache(path, cache, model, metadata)
+        return stage_prompt_cache(path, cache, model, metadata)
     except RuntimeError as e:  # MLX reports write failures as RuntimeError
         raise OSError(f"{path}: cannot write the prompt cache ({e})") from None

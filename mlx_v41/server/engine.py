@@ -98,6 +98,7 @@ class Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.finish: Optional[Finish] = None
+        self.reuse = None  # across ranks: rank 0's choice of a cached prefix, shared
 
     def put(self, item) -> None:
         try:
@@ -144,6 +145,7 @@ class Engine:
         self._ready = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.last_finish: Optional[Finish] = None
+        self.label = ""  # opens the per-request log line ("rank R: " across ranks)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -210,6 +212,16 @@ class Engine:
         """Checked after every token (a group engine shares rank 0's answer)."""
         return job.cancelled.is_set()
 
+    def _reuse(self, job: Job):
+        """The store's choice of a cached prefix for the job (`PromptCacheStore.choose`)."""
+        return self.store.choose(job.prompt.ids, job.prompt.records())
+
+    def _keep(self, states: list) -> None:
+        """Offer the request's caches (None: not to be kept) to the store, in order."""
+        for state in states:
+            if state is not None:
+                self.store.insert(state)
+
     def _serve(self, job: Job) -> None:
         try:
             if job.cancelled.is_set():
@@ -238,7 +250,7 @@ class Engine:
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         prompt, records = job.prompt, job.prompt.records()
-        state = self.store.fetch(prompt.ids, records)
+        state = self.store.take(self._reuse(job))
         cached = len(state.tokens)
         todo = prompt.ids[cached:]
         tic = time.perf_counter()
@@ -251,12 +263,11 @@ class Engine:
         snapshot = state.copy()  # the prompt: a thinking-mode next turn resumes here
         tokens, reason, tail = self._decode(job, state, logits, len(todo), seconds)
         state.tokens.extend(tokens)
-        self.store.insert(snapshot)  # only now: a failed request leaves the store as it was
-        if align_to_tokens(state):
-            self.store.insert(state)
-        log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s, %d images), %d "
-                 "generated, %s", len(prompt.ids), cached, len(todo), seconds, len(records),
-                 len(tokens), reason)
+        # Only now: a failed request leaves the store as it was.
+        self._keep([snapshot, state if align_to_tokens(state) else None])
+        log.info("%s%d prompt tokens (%d cached, %d prefilled in %.2f s, %d images), %d "
+                 "generated, %s", self.label, len(prompt.ids), cached, len(todo), seconds,
+                 len(records), len(tokens), reason)
         return Finish(reason, len(prompt.ids), len(tokens), cached, tail)
 
     def _decode(self, job: Job, state, logits, prefilled: int, seconds: float) -> tuple:

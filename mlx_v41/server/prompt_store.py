@@ -20,8 +20,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.layer import CacheError, cache_bytes, trim_cache
-from ..cache.persistence import fingerprints, load_prompt_cache
-from ..generation.prompt_reuse import PromptCache, shared_spans, write_prompt_cache
+from ..cache.persistence import fingerprints
+from ..distributed.cache_files import rank_path
+from ..distributed.lines import share_line
+from ..generation.prompt_reuse import (PromptCache, kept_prefix, read_prompt_cache,
+                                       shared_spans, write_prompt_cache)
 
 log = logging.getLogger("mlx_v41.server")
 
@@ -29,14 +32,20 @@ ENTRY_FORMAT = "mlx_v41.server_prompt_cache.v1"
 SUFFIX = ".safetensors"
 
 
+class StoreMismatch(RuntimeError):
+    """A decision names an entry this store lacks or a rollback it cannot do (across ranks:
+    the stores have parted ways)."""
+
+
 @dataclass
 class _Entry:
     """One cached prefix: the cache, its tokens (also as an array for fast prefix matching)
-    and image spans (in `state.images`), its bytes, when it was last used and its file (when
-    persisted)."""
+    and image spans (in `state.images`), its key, its bytes, when it was last used and its
+    file (when persisted)."""
 
     state: PromptCache
     ids: np.ndarray
+    key: int
     nbytes: int
     used: int
     path: Optional[Path] = None
@@ -59,8 +68,10 @@ class PromptCacheStore:
     `cache_bytes`; entries share unchanged arrays, so real memory is at most this).
 
     `fetch` returns a rewound copy (the stored entry is never changed), `insert` takes a state
-    the caller no longer uses, `flush` writes new entries to `folder`. Not thread-safe: the
-    engine's worker thread is its only user.
+    the caller no longer uses, `flush` writes new entries to `folder`. Each is a decision
+    (`choose`, `admit`: plain JSON values naming entries by key) then its application (`take`,
+    `apply`), so the stores of several ranks can apply one rank's decisions to their own
+    shares of the caches. Not thread-safe: the engine's worker thread is its only user.
     """
 
     def __init__(self, model, max_bytes: int, folder=None):
@@ -68,7 +79,9 @@ class PromptCacheStore:
         self.folder = None if folder is None else Path(folder)
         self.entries: list[_Entry] = []
         self._clock = 0
-        self._identity = json.dumps(fingerprints(model), sort_keys=True)
+        self.link = getattr(model, "link", None)  # a rank of a group: files written together
+        self._identity = json.dumps({k: v for k, v in fingerprints(model).items()
+                                     if k != "group"}, sort_keys=True)
 
     @property
     def nbytes(self) -> int:
@@ -78,46 +91,93 @@ class PromptCacheStore:
         self._clock += 1
         return self._clock
 
+    def _entry(self, key: int) -> _Entry:
+        for entry in self.entries:
+            if entry.key == key:
+                return entry
+        raise StoreMismatch(f"no prompt-cache entry {key} in this store")
+
     def fetch(self, prompt: list, images: list = ()) -> PromptCache:
         """A copy of the entry sharing the longest prefix with `prompt` and its image spans
         `images` (`ImagePrompt.records()`), rewound to it (at least one prompt token is left
         to run), or an empty cache."""
+        return self.take(self.choose(prompt, images))
+
+    def choose(self, prompt: list, images: list = ()) -> Optional[list]:
+        """[key, tokens kept] of the entry `fetch` rewinds for `prompt`, or None."""
         ids, images = np.asarray(prompt, dtype=np.int64), list(images)
         ranked = sorted(((_shared(e, ids, images), e) for e in self.entries),
                         key=lambda pair: -pair[0])
         for shared, entry in ranked:
             if shared == 0:
                 break
-            trial = entry.state.copy()
-            if trial.rewind_for(prompt, images) is not None:
-                entry.used = self._tick()
-                _touch(entry)
-                return trial
-        return PromptCache(self.model.make_cache())
+            keep = kept_prefix(common_prefix(entry.ids, ids), len(ids), entry.state.images,
+                               images)
+            if len(entry.ids) - keep <= _rollback(entry.state.cache):
+                return [entry.key, keep]
+        return None
 
-    def insert(self, state: PromptCache) -> Optional[_Entry]:
-        """Keep `state` (its cache must hold exactly its tokens); returns its entry, or None
-        when it is not kept. An entry the new one extends within its exact rollback is
-        dropped; the new one is not kept when an entry covers it or it alone is over budget."""
+    def take(self, choice: Optional[list]) -> PromptCache:
+        """A copy of entry `choice[0]` rewound to its first `choice[1]` tokens (None: an empty
+        cache); the entry counts as used."""
+        if choice is None:
+            return PromptCache(self.model.make_cache())
+        key, keep = choice
+        entry = self._entry(key)
+        trial = entry.state.copy()
+        if trial.rewind_to(keep) is None:
+            raise StoreMismatch(f"prompt-cache entry {key} cannot roll back to {keep} tokens")
+        entry.used = self._tick()
+        _touch(entry)
+        return trial
+
+    def insert(self, state: PromptCache, nbytes: Optional[int] = None) -> Optional[_Entry]:
+        """Keep `state` (its cache must hold exactly its tokens), counted as `nbytes` (default:
+        its cache's bytes); returns its entry, or None when it is not kept. An entry the new
+        one extends within its exact rollback is dropped; the new one is not kept when an
+        entry covers it or it alone is over budget."""
+        return self.apply(state, self.admit(state, nbytes))
+
+    def admit(self, state: PromptCache, nbytes: Optional[int] = None) -> dict:
+        """What `insert` does with `state`, counted as `nbytes` (default: its cache's bytes):
+        {"key": its key (None: not kept), "bytes", "drop": keys of the entries it drops,
+        "touch": the key of an entry that covers it (used now)}."""
+        decision = {"key": None, "bytes": 0, "drop": [], "touch": None}
         if not state.tokens or state.cache[0].offset != len(state.tokens):
-            return None
-        entry = _Entry(state, np.asarray(state.tokens, dtype=np.int64),
-                       cache_bytes(state.cache)["total"], self._tick())
-        if entry.nbytes > self.max_bytes:
+            return decision
+        nbytes = cache_bytes(state.cache)["total"] if nbytes is None else nbytes
+        if nbytes > self.max_bytes:
+            return decision
+        new = _Entry(state, np.asarray(state.tokens, dtype=np.int64), -1, nbytes, 0)
+        for old in self.entries:
+            if _covers(old, new) and len(old.ids) > len(new.ids):
+                return {**decision, "touch": old.key}
+            if _covers(new, old):
+                decision["drop"].append(old.key)
+        kept = [e for e in self.entries if e.key not in decision["drop"]]
+        total = nbytes + sum(e.nbytes for e in kept)
+        for old in sorted(kept, key=lambda e: e.used):  # least recently used first
+            if total <= self.max_bytes:
+                break
+            decision["drop"].append(old.key)
+            total -= old.nbytes
+        return {**decision, "key": self._tick(), "bytes": nbytes}
+
+    def apply(self, state: PromptCache, decision: dict) -> Optional[_Entry]:
+        """Do what `admit` decided (here or on another rank); returns the new entry or None."""
+        for key in decision["drop"]:
+            self._drop(self._entry(key))
+        if decision["touch"] is not None:
+            self._entry(decision["touch"]).used = self._tick()
+        if decision["key"] is None:
             return None
         # Stored arrays must be computed, not graphs (a prefill leaves the compressors' input
         # rings lazy): a graph keeps its inputs alive, and MLX aborts at exit when it frees one
         # built on a thread that has ended.
         mx.eval([c.state for c in state.cache])
-        for old in list(self.entries):
-            if _covers(old, entry) and len(old.ids) > len(entry.ids):
-                old.used = entry.used
-                return None
-            if _covers(entry, old):
-                self._drop(old)
+        entry = _Entry(state, np.asarray(state.tokens, dtype=np.int64), decision["key"],
+                       decision["bytes"], self._tick())
         self.entries.append(entry)
-        while self.nbytes > self.max_bytes:
-            self._drop(min(self.entries, key=lambda e: e.used))
         return entry
 
     def _drop(self, entry: _Entry) -> None:
@@ -142,14 +202,18 @@ class PromptCacheStore:
         for entry in self.entries:
             if entry.is_written:
                 continue
-            entry.path = entry.path or self._file_for(entry.state)
-            try:
-                write_prompt_cache(entry.path, entry.state.cache, self.model,
+            name = self._file_for(entry.state)
+            try:  # across ranks every rank writes its share, or none does
+                write_prompt_cache(name, entry.state.cache, self.model,
                                    {"format": ENTRY_FORMAT, **entry.state.metadata()})
-                entry.is_written = True
+                entry.path, entry.is_written = self._own(name), True
             except OSError as e:
                 log.warning("prompt cache not persisted: %s", e)
                 entry.path = None
+
+    def _own(self, name: Path) -> Path:
+        """This rank's file of the entry file `name` (`name.rank<r>-of-<n>` on rank r > 0)."""
+        return name if self.link is None else rank_path(name, self.link)
 
     def load_folder(self) -> int:
         """Load the folder's entries of this model, most recently used first, as far as
@@ -160,25 +224,30 @@ class PromptCacheStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         files = sorted((p for p in self.folder.glob(f"*{SUFFIX}") if not p.name.startswith(".")),
                        key=lambda p: -p.stat().st_mtime)  # dot files: interrupted writes
+        if self.link is not None:  # every rank loads rank 0's files, in its order
+            names = share_line(self.link, json.dumps([p.name for p in files]))
+            files = [self.folder / name for name in json.loads(names)]
         loaded = []
         for path in files:
             state = self._read(path)
             if state is None:
                 continue
-            fits = self.nbytes + cache_bytes(state.cache)["total"] <= self.max_bytes
-            entry = self.insert(state) if fits else None
+            nbytes = largest_shares(self.link, [state])[0] if self.link is not None else \
+                cache_bytes(state.cache)["total"]
+            entry = self.insert(state, nbytes) if self.nbytes + nbytes <= self.max_bytes \
+                else None
             if entry is None:
-                path.unlink(missing_ok=True)
+                self._own(path).unlink(missing_ok=True)
                 continue
-            entry.path, entry.is_written = path, True
+            entry.path, entry.is_written = self._own(path), True
             loaded.append(entry)
         for entry in reversed(loaded):  # the newest file is the most recently used
             entry.used = self._tick()
         return len(self.entries)
 
     def _read(self, path: Path) -> Optional[PromptCache]:
-        try:
-            cache, meta = load_prompt_cache(path, self.model, return_metadata=True)
+        try:  # across ranks every rank reads its share, and all refuse if one cannot
+            cache, meta = read_prompt_cache(path, self.model)
         except CacheError as e:
             log.warning("prompt cache refused: %s", e)
             return None
@@ -227,3 +296,16 @@ def align_to_tokens(state: PromptCache) -> bool:
     except CacheError:
         return False
     return True
+
+
+def largest_shares(link, states: list) -> list:
+    """Per state, the most bytes its cache holds on any rank (None where a rank keeps none):
+    one `all_gather` of 2 int32s per state (bytes split at bit 31; -1 for none)."""
+    mine = []
+    for state in states:
+        n = None if state is None else cache_bytes(state.cache)["total"]
+        mine += [-1, 0] if n is None else [n >> 31, n & 0x7FFFFFFF]
+    shares = np.array(link.all_gather(mx.array(mine, mx.int32), "sharing prompt-cache sizes"),
+                      dtype=np.int64).reshape(link.size, len(states), 2)
+    return [None if (s[:, 0] < 0).any() else int(((s[:, 0] << 31) + s[:, 1]).max())
+            for s in shares.transpose(1, 0, 2)]

@@ -23,10 +23,20 @@ def e4m3_reference(y: mx.array) -> mx.array:
     return mx.from_fp8(mx.to_fp8(mx.clip(y, -E4M3_MAX, E4M3_MAX)), mx.float32)
 
 
+def scale_reference(amax: mx.array) -> mx.array:
+    """The replaced scale: the power-of-two ceil from the fp32 bit pattern."""
+    t = mx.maximum(amax, quant.ACT_FP8_AMAX_FLOOR) * mx.array(1.0 / E4M3_MAX, mx.float32)
+    return quant._pow2_ceil(t)
+
+
 def qdq_reference(x: mx.array, dtype, is_products: bool) -> mx.array:
     """The replaced form: x / s through to_fp8 / from_fp8, times s."""
-    scaled, scale = quant._act_fp8_parts(x, is_products)
-    return (mx.from_fp8(mx.to_fp8(scaled), mx.float32) * scale).reshape(x.shape).astype(dtype)
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    if is_products:
+        groups = groups.astype(mx.bfloat16)
+    g = groups.astype(mx.float32)
+    scale = scale_reference(mx.abs(g).max(axis=-1, keepdims=True))
+    return (mx.from_fp8(mx.to_fp8(g / scale), mx.float32) * scale).reshape(x.shape).astype(dtype)
 
 
 def finite_bf16() -> np.ndarray:
@@ -74,8 +84,7 @@ def test_scale_every_positive_bf16_amax_and_powers_of_two():
     amax = np.concatenate([amax, neighbours(sevens, 4), np.float32([3.4e38]),
                            np.exp2(rng.uniform(-40, 127, 100_000)).astype(np.float32)])
     a = mx.array(amax.astype(np.float32))[:, None]
-    want = quant._pow2_ceil(mx.maximum(a, quant.ACT_FP8_AMAX_FLOOR)
-                            * mx.array(1.0 / E4M3_MAX, mx.float32)) * quant._E4M3_STEP
+    want = scale_reference(a) * quant._E4M3_STEP
     got = mx.compile(quant._act_fp8_step)(a)
     np.testing.assert_array_equal(bits(got), bits(want))
 
@@ -105,3 +114,21 @@ def test_qdq_fp32_groups_at_the_scale_boundaries(is_products):
     for dtype in (mx.bfloat16, mx.float32):
         np.testing.assert_array_equal(bits(quant.act_fp8_qdq(xm, dtype, is_products)),
                                       bits(qdq_reference(xm, dtype, is_products)))
+
+
+def test_quantize_codes_and_scale_bytes_every_bf16_input_and_boundaries():
+    """act_fp8_quantize (the window ring's packing) divides by the arithmetic step: the same
+    codes and E8M0 bytes as x / s through to_fp8 and the scale's exponent field."""
+    x = finite_bf16()
+    x = np.concatenate([x, np.zeros(-len(x) % 32, np.float32)])
+    peaks = neighbours(448.0 * np.exp2(np.arange(-20, 20, dtype=np.float64)), 3)
+    rows = [mx.array(x).reshape(-1, 64).astype(mx.bfloat16),
+            mx.array(np.repeat(peaks[:, None], 32, axis=1) * np.float32(0.7) ** np.arange(32))]
+    for xm in rows:
+        codes, scale_bytes = quant.act_fp8_quantize(xm)
+        g = xm.reshape(*xm.shape[:-1], -1, 32).astype(mx.float32)
+        scale = scale_reference(mx.abs(g).max(axis=-1, keepdims=True))
+        np.testing.assert_array_equal(np.array(codes),
+                                      np.array(mx.to_fp8(g / scale).reshape(xm.shape)))
+        want_bytes = np.log2(np.array(scale[..., 0]).astype(np.float64)) + 127
+        np.testing.assert_array_equal(np.array(scale_bytes), want_bytes.astype(np.uint8))

@@ -54,10 +54,11 @@ def sinkhorn_ops(comb: mx.array, iters: int, eps: float) -> mx.array:
     return comb
 
 
-def _mixes(streams, fn, base, scale, iters: int, eps: float, norm_eps: float):
+def _mixes(streams, fn, base, scale, squares=None, *, iters: int, eps: float, norm_eps: float):
     n = streams.shape[-2]
     flat = streams.astype(mx.float32).reshape(*streams.shape[:-2], -1)
-    rms = mx.rsqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    squares = flat * flat if squares is None else squares.reshape(flat.shape)
+    rms = mx.rsqrt(mx.mean(squares, axis=-1, keepdims=True) + norm_eps)
     mix = flat @ fn.T
     # Each mix is scaled by the rms inside its own kernel (the same multiply, fused).
     pre = mx.sigmoid(mix[..., :n] * rms * scale[0:1] + base[:n]) + eps
@@ -78,9 +79,10 @@ def _compiled_mixes(iters: int, eps: float, norm_eps: float):
     return mx.compile(functools.partial(_mixes, iters=iters, eps=eps, norm_eps=norm_eps))
 
 
-def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float):
+def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, squares=None):
     """Reference (pure MLX); arguments as in `mhc`."""
-    return _compiled_mixes(iters, eps, norm_eps)(streams, fn, base, scale)
+    extra = () if squares is None else (squares,)
+    return _compiled_mixes(iters, eps, norm_eps)(streams, fn, base, scale, *extra)
 
 
 def build_mhc(metal_kernel=None):
@@ -132,7 +134,7 @@ def _metal_run():
 
 
 def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
-        use_kernel: bool = True, run=None, streams32=None):
+        use_kernel: bool = True, run=None, streams32=None, squares=None):
     """pre, post and comb mixes of one block side.
 
     Args:
@@ -144,6 +146,8 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
             Metal simulator's in tests.
         streams32: optional fp32 copy of `streams` (same values) for the ops, which read fp32
             (saves them a cast); the kernel reads `streams`.
+        squares: optional streams32 * streams32 for the ops' RMS (saves them a kernel); only
+            with `streams32`.
     Returns:
         (pre [B, S, n], post [B, S, n], comb [B, S, n, n]), fp32.
     """
@@ -151,5 +155,5 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         return run(streams, fn, base, scale, iters, eps, norm_eps)
     if not use_kernel or not metal_applies() or streams.size == 0 or streams.ndim < 3:
         return mhc_ops(streams if streams32 is None else streams32, fn, base, scale, iters, eps,
-                       norm_eps)
+                       norm_eps, squares if streams32 is not None else None)
     return _metal_run()(streams, fn, base, scale, iters, eps, norm_eps)

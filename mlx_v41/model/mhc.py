@@ -30,12 +30,14 @@ class HyperConnection(nn.Module):
         self._iters, self._eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
 
     def __call__(self, streams: mx.array, kernels: Optional[Kernels] = None,
-                 streams32: Optional[mx.array] = None):
+                 streams32: Optional[mx.array] = None, squares: Optional[mx.array] = None):
         """`streams` [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (fp32).
-        `streams32`: the same values in fp32 when the caller has them (`expand_pair`)."""
+        `streams32`, `squares`: the same values in fp32 and their squares when the caller
+        has them (`expand_pair`)."""
         kernels = kernels or Kernels()
         return mhc(streams, self.fn, self.base, self.scale, self._iters, self._eps,
-                   self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32)
+                   self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32,
+                   squares=squares)
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:
@@ -57,14 +59,16 @@ def expand(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> m
 
 
 def expand_pair(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array):
-    """`expand`, and its bf16 result as fp32 (for the next mixes), from one fused kernel."""
+    """`expand`, its bf16 result as fp32 and the squares of that (for the next mixes, whose
+    RMS would otherwise square them in a kernel of their own), from one fused kernel."""
     return _compiled_expand_pair(y, residual, post, comb)
 
 
 @mx.compile
 def _compiled_expand_pair(y, residual, post, comb):
     out = _expand(y, residual, post, comb)
-    return out, out.astype(mx.float32)
+    out32 = out.astype(mx.float32)
+    return out, out32, out32 * out32
 
 
 @mx.compile

@@ -40,12 +40,11 @@ class Router(nn.Module):
         """As `__call__`, with the ids uint32 (argpartition's dtype, the one gather_qmm
         takes): the experts need no index cast."""
         logits = x.astype(mx.float32) @ self.weight.T
-        scores = _sqrt_softplus(logits)
         bias = self.e_score_correction_bias
         if image_mask is not None:
             bias = mx.where(image_mask[..., None], self.bias_vl, bias)
-        biased = scores + bias
-        ids = mx.argpartition(-biased, self.top_k - 1, axis=-1)[..., :self.top_k]
+        scores, negated = _scores_and_negated_biased(logits, bias)
+        ids = mx.argpartition(negated, self.top_k - 1, axis=-1)[..., :self.top_k]
         weights = mx.take_along_axis(scores, ids, axis=-1)
         total = mx.sum(weights, axis=-1, keepdims=True)
         return ids, _normalised(weights, total, self.route_scale)
@@ -54,6 +53,14 @@ class Router(nn.Module):
 @mx.compile
 def _sqrt_softplus(logits: mx.array) -> mx.array:
     return mx.sqrt(mx.where(logits > SOFTPLUS_THRESHOLD, logits, mx.logaddexp(logits, 0.0)))
+
+
+@mx.compile
+def _scores_and_negated_biased(logits: mx.array, bias: mx.array):
+    """sqrt(softplus(logits)) and -(it + bias), argpartition's key, from one fused kernel
+    (apart: the scores' kernel, an add and a negation)."""
+    scores = _sqrt_softplus(logits)
+    return scores, -(scores + bias)
 
 
 @functools.partial(mx.compile, shapeless=True)

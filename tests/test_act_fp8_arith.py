@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_v41.model import fp8_activation as fp8
 from mlx_v41.model import quant
 
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -69,7 +70,7 @@ def e4m3_probe_values() -> np.ndarray:
 def test_e4m3_rounding_every_midpoint_bf16_value_and_subnormal():
     y = e4m3_probe_values()
     assert np.abs(y).max() < 464  # the documented range: |x / s| <= 448 (1 + 2^-22)
-    got = mx.compile(lambda w: quant._round_e4m3_steps(w) * quant._E4M3_STEP)(
+    got = mx.compile(lambda w: fp8._round_e4m3_steps(w) * fp8._E4M3_STEP)(
         mx.array(y) * 2.0**9)
     np.testing.assert_array_equal(bits(got), bits(e4m3_reference(mx.array(y))))
     # -0 and negatives that round to zero keep the sign, as the E4M3 codes do
@@ -84,8 +85,8 @@ def test_scale_every_positive_bf16_amax_and_powers_of_two():
     amax = np.concatenate([amax, neighbours(sevens, 4), np.float32([3.4e38]),
                            np.exp2(rng.uniform(-40, 127, 100_000)).astype(np.float32)])
     a = mx.array(amax.astype(np.float32))[:, None]
-    want = scale_reference(a) * quant._E4M3_STEP
-    got = mx.compile(quant._act_fp8_step)(a)
+    want = scale_reference(a) * fp8._E4M3_STEP
+    got = mx.compile(fp8._act_fp8_step)(a)
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
@@ -96,7 +97,7 @@ def test_qdq_every_bf16_input(dtype):
     rng = np.random.default_rng(3)
     for order in (np.arange(len(x)), rng.permutation(len(x))):  # sorted and mixed groups
         xb = mx.array(x[order]).reshape(-1, 64).astype(mx.bfloat16)
-        np.testing.assert_array_equal(bits(quant.act_fp8_qdq(xb, dtype)),
+        np.testing.assert_array_equal(bits(fp8.act_fp8_qdq(xb, dtype)),
                                       bits(qdq_reference(xb, dtype, False)))
 
 
@@ -112,7 +113,7 @@ def test_qdq_fp32_groups_at_the_scale_boundaries(is_products):
     x[-4:, 3] = -1e-30  # rounds to -0
     xm = mx.array(x).reshape(64, 2048)
     for dtype in (mx.bfloat16, mx.float32):
-        np.testing.assert_array_equal(bits(quant.act_fp8_qdq(xm, dtype, is_products)),
+        np.testing.assert_array_equal(bits(fp8.act_fp8_qdq(xm, dtype, is_products)),
                                       bits(qdq_reference(xm, dtype, is_products)))
 
 
@@ -125,10 +126,42 @@ def test_quantize_codes_and_scale_bytes_every_bf16_input_and_boundaries():
     rows = [mx.array(x).reshape(-1, 64).astype(mx.bfloat16),
             mx.array(np.repeat(peaks[:, None], 32, axis=1) * np.float32(0.7) ** np.arange(32))]
     for xm in rows:
-        codes, scale_bytes = quant.act_fp8_quantize(xm)
+        codes, scale_bytes = fp8.act_fp8_quantize(xm)
         g = xm.reshape(*xm.shape[:-1], -1, 32).astype(mx.float32)
         scale = scale_reference(mx.abs(g).max(axis=-1, keepdims=True))
         np.testing.assert_array_equal(np.array(codes),
                                       np.array(mx.to_fp8(g / scale).reshape(xm.shape)))
         want_bytes = np.log2(np.array(scale[..., 0]).astype(np.float64)) + 127
         np.testing.assert_array_equal(np.array(scale_bytes), want_bytes.astype(np.uint8))
+
+
+def test_the_arithmetic_form_is_checked_once_per_device_with_a_fallback():
+    """`checked_act_fp8` keeps the arithmetic form where it gives the to_fp8 form's bits
+    (here), and falls back, with one warning, to the to_fp8 form where it does not (a
+    stand-in for a compiler that fuses the splits' multiply-adds: a split one bit short);
+    the fallback is the replaced form bit for bit."""
+    import functools
+    import warnings
+
+    def form(f):
+        return mx.compile(functools.partial(f, dtype=mx.float32, is_products=False))
+
+    arithmetic, reference = form(fp8._act_fp8_qdq), form(fp8._act_fp8_qdq_fp8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fp8.checked_act_fp8(arithmetic, reference, "act_fp8") is arithmetic
+
+    def fused(x, dtype, is_products):
+        g, step = fp8._act_fp8_parts(x, is_products)
+        w = g / step
+        n = w * -float(2**21 + 1)  # 3 significant bits: what a changed rounding looks like
+        return (mx.round(mx.where(mx.abs(w) < 8.0, w, (n + w) - n)) * step).astype(dtype)
+
+    with pytest.warns(RuntimeWarning, match=r"^act_fp8: the element-wise E4M3 rounding "
+                                            r"differs from to_fp8 on this device"):
+        assert fp8.checked_act_fp8(form(fused), reference, "act_fp8") is reference
+    x = mx.array(finite_bf16()).reshape(-1, 64)
+    for is_products in (False, True):
+        np.testing.assert_array_equal(
+            bits(fp8._act_fp8_qdq_fp8(x, mx.float32, is_products)),
+            bits(qdq_reference(x, mx.float32, is_products)))

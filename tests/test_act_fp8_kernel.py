@@ -1,5 +1,5 @@
 """The act_fp8 kernel (metal/act_fp8.metal: FP8 activation fake-quant in one launch) through the
-Metal simulator against `quant.act_fp8_qdq`, bit for bit: every step is exact arithmetic (a
+Metal simulator against `fp8_activation.act_fp8_qdq`, bit for bit: every step is exact arithmetic (a
 power-of-two scale, E4M3 round-to-nearest-even), so any difference is a bug. The blocks cover
 their maximum at 448 x 2^k and just above it (the next scale), every E4M3 midpoint (ties to
 even, up to the 448 saturation), the E4M3 subnormals and the values that round to zero, zero
@@ -17,7 +17,7 @@ import mlx_v41
 from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8, build_act_fp8
-from mlx_v41.model.quant import act_fp8_qdq
+from mlx_v41.model.fp8_activation import act_fp8_qdq
 from tests.metal_sim import SimOptions, metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_v41.model import fp8_activation as fp8
 from mlx_v41.model import quant
 
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -253,13 +254,13 @@ def test_act_fp8_scale_at_power_of_two_boundary(k):
     rows[2, 0] = edge * (1 + 2.0**-7)  # next bf16 above the boundary
     for x in (mx.array(rows), mx.array(rows[[0, 2]]).astype(mx.bfloat16)):  # fp32 keeps row 1
         xn = to_np(x)
-        codes, scale_bytes = quant.act_fp8_quantize(x)
+        codes, scale_bytes = fp8.act_fp8_quantize(x)
         ref_codes, ref_bytes, ref_deq = ref_act_fp8(xn)
         expected = [127 + k, 128 + k, 128 + k] if x.dtype == mx.float32 else [127 + k, 128 + k]
         np.testing.assert_array_equal(to_np(scale_bytes)[:, 0], expected)
         np.testing.assert_array_equal(to_np(scale_bytes), ref_bytes)
         np.testing.assert_array_equal(to_np(codes), ref_codes)
-        assert_same_bits(to_np(quant.act_fp8_qdq(x)), ref_deq)
+        assert_same_bits(to_np(fp8.act_fp8_qdq(x)), ref_deq)
 
 
 def test_act_fp8_amax_floor_zeros_and_tiny():
@@ -269,13 +270,13 @@ def test_act_fp8_amax_floor_zeros_and_tiny():
     rows[2, :32] = 1e-4  # exactly the floor
     rows[3] = 1e-30
     x, xn = bf16_input(rows)
-    codes, scale_bytes = quant.act_fp8_quantize(x)
+    codes, scale_bytes = fp8.act_fp8_quantize(x)
     ref_codes, ref_bytes, ref_deq = ref_act_fp8(xn)
     floor_exponent = ref_ceil_log2(np.float32(1e-4) * np.float32(1 / 448))
     assert (to_np(scale_bytes)[0] == 127 + floor_exponent).all() and floor_exponent == -22
     np.testing.assert_array_equal(to_np(scale_bytes), ref_bytes)
     np.testing.assert_array_equal(to_np(codes), ref_codes)
-    out = quant.act_fp8_qdq(x)
+    out = fp8.act_fp8_qdq(x)
     assert out.dtype == mx.bfloat16
     assert_same_bits(to_np(out), ref_deq)
     assert np.signbit(to_np(out)[0, 32:]).all()
@@ -286,13 +287,13 @@ def test_act_fp8_random_any_leading_shape():
     for shape in [(96,), (3, 5, 512), (2, 1, 3, 64)]:
         x, xn = bf16_input(random_rows(shape, rng))
         ref_codes, ref_bytes, ref_deq = ref_act_fp8(xn)
-        codes, scale_bytes = quant.act_fp8_quantize(x)
+        codes, scale_bytes = fp8.act_fp8_quantize(x)
         np.testing.assert_array_equal(to_np(codes), ref_codes)
         np.testing.assert_array_equal(to_np(scale_bytes), ref_bytes)
-        assert_same_bits(to_np(quant.act_fp8_qdq(x)), ref_deq)
+        assert_same_bits(to_np(fp8.act_fp8_qdq(x)), ref_deq)
     x32 = mx.array(xn)
-    assert quant.act_fp8_qdq(x32).dtype == mx.float32
-    assert_same_bits(to_np(quant.act_fp8_qdq(x32)), ref_deq)
+    assert fp8.act_fp8_qdq(x32).dtype == mx.float32
+    assert_same_bits(to_np(fp8.act_fp8_qdq(x32)), ref_deq)
 
 
 def all_finite_bf16(order: str) -> np.ndarray:
@@ -313,10 +314,10 @@ def test_every_bf16_value_through_all_three_functions(order):
     x, xn = bf16_input(all_finite_bf16(order))
     with np.errstate(over="ignore", invalid="ignore"):  # huge groups: s up to 2^126
         refs = [ref_act_fp8(xn), ref_fp4_e8m0(xn), ref_fp4_e4m3(xn)]
-    outs = [quant.act_fp8_qdq(x), quant.fp4_e8m0_qdq(x), quant.fp4_e4m3_qdq(x)]
+    outs = [fp8.act_fp8_qdq(x), quant.fp4_e8m0_qdq(x), quant.fp4_e4m3_qdq(x)]
     for out, (_, _, ref_deq) in zip(outs, refs):
         assert_same_bits(to_np(out), ref_deq)  # exact: every QDQ value fits bf16
-    np.testing.assert_array_equal(to_np(quant.act_fp8_quantize(x)[0]), refs[0][0])
+    np.testing.assert_array_equal(to_np(fp8.act_fp8_quantize(x)[0]), refs[0][0])
 
 
 # ---------------------------------------------------------------- FP4 fake-quant
@@ -439,7 +440,7 @@ def test_pack_fp4_e8m0_random_rows(shape):
 
 def test_pack_fp8_e8m0_window_rows():
     x, xn = bf16_input(random_rows((3, 7, 512), np.random.default_rng(RNG_SEED)))
-    packed = quant.pack_fp8_e8m0(x)
+    packed = fp8.pack_fp8_e8m0(x)
     assert packed.dtype == mx.uint8 and packed.shape == (3, 7, 528)
     ref_codes, ref_bytes, ref_deq = ref_act_fp8(xn)
     np.testing.assert_array_equal(to_np(packed), np.concatenate([ref_codes, ref_bytes], -1))
@@ -450,7 +451,7 @@ def test_unpack_rejects_bad_row_width():
     with pytest.raises(ValueError):
         quant.unpack_fp4_e4m3(mx.zeros((2, 287), dtype=mx.uint8))
     with pytest.raises(ValueError):
-        quant.act_fp8_qdq(mx.zeros((2, 48)))
+        fp8.act_fp8_qdq(mx.zeros((2, 48)))
 
 
 # ---------------------------------------------------------------- weights and MLX layouts

@@ -2,7 +2,7 @@
 per 32 values along the last axis, s a power of two; with `is_products` the activation is the
 bf16 rounding of fp32 projection products.
 
-The ops (`quant.act_fp8_qdq`, compiled) run 4 kernels per call (|x|, the amax reduction, the
+The ops (`fp8_activation.act_fp8_qdq`, compiled) run 4 kernels per call (|x|, the amax reduction, the
 scale, the rounding: element-wise arithmetic that MLX fuses); the Metal kernel
 (metal/act_fp8.metal) is one launch, one simdgroup per block, and its values equal the ops' bits.
 """
@@ -13,7 +13,8 @@ import functools
 
 import mlx.core as mx
 
-from ..model.quant import ACT_FP8_BLOCK, act_fp8_qdq
+from ..model.fp8_activation import act_fp8_qdq
+from ..model.quant import ACT_FP8_BLOCK
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
 
@@ -21,7 +22,7 @@ _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
 def act_fp8_ops(x: mx.array, dtype, is_products: bool) -> mx.array:
-    """Reference: `quant.act_fp8_qdq` (pure MLX, compiled); arguments as in `act_fp8`."""
+    """Reference: `fp8_activation.act_fp8_qdq` (pure MLX, compiled); arguments as in `act_fp8`."""
     return act_fp8_qdq(x, dtype, is_products)
 
 
@@ -74,7 +75,7 @@ def act_fp8(x: mx.array, dtype=None, is_products: bool = False, use_kernel: bool
         run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
     Returns:
-        [..., K] in dtype, identical to `quant.act_fp8_qdq(x, dtype, is_products)`.
+        [..., K] in dtype, identical to `fp8_activation.act_fp8_qdq(x, dtype, is_products)`.
     """
     if ((run is None and (not use_kernel or not metal_applies())) or x.ndim == 0
             or x.size == 0 or x.shape[-1] % ACT_FP8_BLOCK or x.dtype not in _FLOAT_DTYPES):

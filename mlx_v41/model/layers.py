@@ -114,7 +114,7 @@ def _compiled_rms_norm(eps: float, is_products: bool):
 
 def round_act_fp8(x: mx.array, dtype=None, is_products: bool = False,
                   kernels: Optional[Kernels] = None) -> mx.array:
-    """act_fp8 of x (`quant.act_fp8_qdq`): the Metal kernel where `kernels` apply (by default
+    """act_fp8 of x (`fp8_activation.act_fp8_qdq`): the Metal kernel where `kernels` apply (by default
     where the dispatcher finds Metal), its ops otherwise."""
     k = kernels or Kernels()
     return act_fp8(x, dtype, is_products, use_kernel=k.use, run=k.act_fp8)

@@ -148,100 +148,9 @@ def unpack_nibbles(packed: mx.array) -> mx.array:
 
 # ---------------------------------------------------------------- fake-quant functions
 
-# Veltkamp splitting, written so that `mx.compile` fuses it (every shared array is read
-# first along one chain of first operands): with n = -(2^s + 1) v, (n + v) - n is v rounded
-# to 24 - s significant bits, ties to even (checked on every fp32 mantissa; the values that
-# act_fp8 meets: tests/test_act_fp8_arith.py).
-_SPLIT_TO_1_BIT = -float(2**23 + 1)
-_SPLIT_TO_4_BITS = -float(2**20 + 1)  # E4M3 normals: 1 + 3 mantissa bits
-_E4M3_STEP = 2.0**-9  # the E4M3 subnormal spacing; normals start at 8 steps (2^-6)
-_SHIFT = 2.0**64  # keeps (2^23 + 1) t finite for every t an fp32 amax gives
-_RECIP_448 = float(mx.array(1.0 / FP8_E4M3_MAX, mx.float32).item())  # the reference's 1/448
-
-
-def _split(v: mx.array, factor: float) -> mx.array:
-    n = v * factor
-    return (n + v) - n
-
-
-def _act_fp8_step(amax: mx.array) -> mx.array:
-    """The act_fp8 scale s = `_pow2_ceil`(max(amax, 1e-4) * fp32(1/448)) times 2^-9, in
-    arithmetic: t rounded to one significant bit is 2^e or 2^(e+1), doubled when below t
-    (t is scaled by 2^-64 first, exactly: t >= 2^-22)."""
-    # fp32(1/448) 2^-64 is exact, so this is the fp32 product of amax and 1/448, times 2^-64.
-    t = mx.maximum(amax, ACT_FP8_AMAX_FLOOR) * (_RECIP_448 / _SHIFT)
-    one_bit = _split(t, _SPLIT_TO_1_BIT)
-    return mx.where(one_bit < t, 2.0 * _SHIFT * _E4M3_STEP, _SHIFT * _E4M3_STEP) * one_bit
-
-
-def _round_e4m3_steps(w: mx.array) -> mx.array:
-    """E4M3 rounding of y = w / 512 (|y| <= 448 (1 + 2^-22): s may round below amax / 448 by
-    that much, and the reference's clip to 448 then changes nothing), in units of 2^-9: 4
-    significant bits from 8 units up, whole units below (`mx.round`: half to even, and
-    zeros keep the sign, as E4M3 codes do). Whether w is below 8 is read off its 4-bit
-    rounding (the same answer, and it keeps the kernel fused)."""
-    normal = _split(w, _SPLIT_TO_4_BITS)
-    return mx.round(mx.where(mx.abs(normal) < 8.0, w, normal))
-
-
-def _act_fp8_parts(x: mx.array, is_products: bool = False):
-    """act_fp8 on groups [..., G, 32]: the fp32 activation g and its step s 2^-9 (s = 2^e
-    the scale; g / step is 512 g / s, exact). With `is_products` the activation is bf16(x)
-    of fp32 products x."""
-    groups = _groups(x, ACT_FP8_BLOCK)
-    # |x| before the cast (the same values): the cast then fuses into both of its readers
-    # instead of being one more kernel whose output both read. (bf16 rounding is symmetric,
-    # so |bf16(x)| = bf16(|x|): the products' rounding splits the same way.)
-    amax = _as_bf16(mx.abs(groups), is_products).astype(mx.float32).max(axis=-1, keepdims=True)
-    return _as_bf16(groups, is_products).astype(mx.float32), _act_fp8_step(amax)
-
-
-def _as_bf16(x: mx.array, is_products: bool) -> mx.array:
-    return x.astype(mx.bfloat16) if is_products else x
-
-
 def _exponent_byte(scale: mx.array, shift: int = 0) -> mx.array:
     """E8M0 byte of a power-of-two fp32 scale (`shift`: of 2^shift times it)."""
     return ((_bits(scale[..., 0]) >> _F32_MANT_BITS) + shift).astype(mx.uint8)
-
-
-def act_fp8_quantize(x: mx.array):
-    """FP8 activation quantisation, block 32, E8M0 scale (the reference's `act_quant`).
-
-    Args:
-        x: [..., K] float, K a multiple of 32.
-    Returns:
-        (codes uint8 [..., K] E4M3FN, scale_bytes uint8 [..., K/32] E8M0).
-    """
-    g, step = _act_fp8_parts(x)
-    codes = mx.to_fp8(g / step * _E4M3_STEP)  # g / s (where g / s is subnormal: 0 either way)
-    return codes.reshape(x.shape), _exponent_byte(step, shift=9)
-
-
-def act_fp8_qdq(x: mx.array, dtype=None, is_products: bool = False) -> mx.array:
-    """act_fp8 quantise-dequantise: E4M3(x / s) * s with s a power of two; returns `dtype`
-    (default x.dtype; the values are exact in bf16 and fp32 alike). Compiled: it runs before
-    every FP8 linear, and on MLX's CPU backend the op count is what a decode step costs.
-    `is_products`: x is fp32 products and the activation their bf16 rounding."""
-    return _compiled_act_fp8(dtype or x.dtype, is_products)(x)
-
-
-def _act_fp8_qdq(x: mx.array, dtype, is_products: bool) -> mx.array:
-    """`_act_fp8_parts`, then E4M3 rounding and x s, in element-wise arithmetic only (no bit
-    views, no `to_fp8` / `from_fp8`): `mx.compile` makes it 4 kernels (|x|, the amax, the
-    scale, the rest) instead of 8, with the same bits (tests/test_act_fp8_arith.py)."""
-    g, step = _act_fp8_parts(x, is_products)
-    values = _round_e4m3_steps(g / step) * step
-    # The cast (or, to fp32, an exact x 1 in its place) keeps `step` out of the last kernel's
-    # reach through g / step: `mx.compile` fuses at most 11 levels deep, and pulling `step` in
-    # there would cut the scale's chain into pieces (3 kernels more).
-    values = values * 1.0 if values.dtype == dtype else values.astype(dtype)
-    return values.reshape(x.shape)
-
-
-@functools.cache
-def _compiled_act_fp8(dtype, is_products: bool):
-    return mx.compile(functools.partial(_act_fp8_qdq, dtype=dtype, is_products=is_products))
 
 
 def _fp4_e8m0_parts(x: mx.array):
@@ -380,17 +289,6 @@ def _unpack_fp4_e8m0(packed: mx.array, dtype) -> mx.array:
     scale = e8m0_to_float(packed[..., k // 2:])[..., None]
     values = _groups(_decode_codes(packed[..., : k // 2]), FP4_E8M0_BLOCK) * scale
     return values.astype(dtype).reshape(*packed.shape[:-1], k)
-
-
-def pack_fp8_e8m0(x: mx.array) -> mx.array:
-    """Encode with act_fp8 into packed rows: [..., K] -> uint8 [..., K + K/32]."""
-    _check_groups(x, ACT_FP8_BLOCK)
-    return _compiled(_pack_fp8_e8m0)(x)
-
-
-def _pack_fp8_e8m0(x: mx.array) -> mx.array:
-    codes, scale_bytes = act_fp8_quantize(x)
-    return mx.concatenate([codes, scale_bytes], axis=-1)
 
 
 def unpack_fp8_e8m0(packed: mx.array, dtype=mx.bfloat16) -> mx.array:

@@ -486,13 +486,14 @@ def _wait_for_health(server: Launched, port: int) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_server_over_a_pipeline_equals_one_process(tmp_path):
-    """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline --dspark` on the vision golden's
-    checkpoint: rank 0 serves raw HTTP, and the replies (greedy; seeded sampling with a penalty
-    and a stop string; greedy with an image part, decoded and run through the tower on rank 0)
-    are one drafting process's. A client that disconnects mid-stream cancels on every rank
-    (the next reply is still one process's); logprobs are refused under a pipeline; Ctrl-C on
-    rank 0 stops every rank."""
+def test_server_under_tensor_parallel_equals_one_process(tmp_path):
+    """`mlx.launch -n 2 -- -m mlx_v41.server --tensor-parallel --dspark` on the vision golden's
+    checkpoint: rank 0 serves raw HTTP, and the replies (greedy; greedy with an image part,
+    decoded and run through the tower on rank 0, its span rows shared; seeded sampling with a
+    penalty and a stop string; greedy with logprobs, which every rank holds) are one drafting
+    process's, with its prompt reuse. A client that disconnects mid-stream cancels on every
+    rank (the next reply is still one process's); Ctrl-C on rank 0 stops every rank. (The
+    pipeline's server: the prompt-reuse test below.)"""
     import http.client
     import signal
 
@@ -507,7 +508,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
     sampled = {**greedy, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
                "max_tokens": 8, "stop": ["ll"]}
     image = {**greedy, "messages": [image_message("Which is red?", twin_images(tmp_path)[0])]}
-    bodies = (greedy, image, sampled)
+    bodies = (greedy, image, sampled, {**greedy, "logprobs": True, "top_logprobs": 2})
     one = LiveServer(*mlx_v41.load(folder, dspark=True), draft="dspark")
     try:
         expected = [post(one.port, "/v1/chat/completions", body)[1] for body in bodies]
@@ -517,7 +518,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
         TWIN_SPAN
     port = _free_ports(1)[0]
     server = Launched(2, "-m", "mlx_v41.server", "--model", folder,
-                      "--port", port, "--pipeline", "--dspark", "--log-level", "WARNING")
+                      "--port", port, "--tensor-parallel", "--dspark", "--log-level", "WARNING")
     try:
         _wait_for_health(server, port)
         for body, want in zip(bodies, expected):
@@ -530,9 +531,7 @@ def test_server_over_a_pipeline_equals_one_process(tmp_path):
                          json.dumps({**greedy, "max_tokens": 400, "stream": True}))
             assert conn.getresponse().read(6) == b"data: "
             conn.close()
-        status, got = post(port, "/v1/chat/completions", {**greedy, "logprobs": True})
-        assert status == 400 and "logprobs are not available under --pipeline" in \
-            got["error"]["message"]
+        assert expected[3]["choices"][0]["logprobs"]["content"]
         os.kill(_rank_pid(server.proc.pid, 0), signal.SIGINT)  # uvicorn's graceful stop
         assert server.proc.wait(timeout=30) == 0, server.err  # rank 1 told, not lost
     finally:
@@ -567,7 +566,8 @@ def test_server_prompt_reuse_over_a_pipeline_equals_one_process(tmp_path):
     with the same prompt reuse (`cached_tokens`) under a byte bound that evicts: every rank
     logs the same reused prefix for every request (rank 0 decides for all). A client that
     disconnects mid-stream cancels on every rank (the next reply is still one process's);
-    logprobs are refused under a pipeline; Ctrl-C on rank 0 stops every rank. With
+    logprobs are refused under a pipeline (rank 0 holds no logits); Ctrl-C on rank 0 stops
+    every rank. With
     --prompt-cache-dir every rank wrote its share of each kept entry, and a restarted group
     loads them and reuses them on every rank."""
     import http.client

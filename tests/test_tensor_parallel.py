@@ -231,9 +231,10 @@ def test_image_prompt_under_tensor_parallel_equals_one_process(tmp_path, capsys)
         assert np.array_equal(got[name], value), (name, np.abs(got[name] - value).max())
     records = len(str(got["records"]).encode())
     # id and image counts, the records' JSON line (its length, its bytes), ids and types
-    # (int32), then the two spans' rows (bf16): IMAGE rows and delimiters
+    # (int32), then whether rank 0 made the rows (int32) and the two spans' rows (bf16):
+    # IMAGE rows and delimiters
     rows = int(expected["rows"])
-    assert reports[0]["sent"]["image_shared"] == 8 + 4 + records + 2 * rows * 4 + \
+    assert reports[0]["sent"]["image_shared"] == 8 + 4 + records + 2 * rows * 4 + 4 + \
         2 * TWIN_SPAN * model.cfg.hidden_size * 2
     assert generate_main([str(a) for a in generate_args(folder, images)]) == 0
     one = capsys.readouterr().out.split("=" * 10)[1]
@@ -260,3 +261,39 @@ def test_a_followers_prompt_rebuilds_the_token_types(tmp_path):
     pipeline = followed_prompt(SimpleNamespace(link=fake_link(1, 2), stage=object()),
                                prompt.ids, grids)
     assert pipeline.ids == prompt.ids and pipeline.inputs(model) is None
+
+
+def test_a_tower_failure_on_rank_0_fails_every_rank_alike(tmp_path):
+    """Under tensor parallel the span rows come from rank 0's tower; if it fails there (after
+    the prompt was shared), rank 0 raises its error and the others a ValueError naming rank 0,
+    instead of waiting for rows that never come (one int32 is shared first)."""
+    from mlx_v41.distributed.prompt import SharedImagePrompt, followed_prompt, span_grids
+    from mlx_v41.model.vision import prompt as vision_prompt
+    from vision_fixtures import (SMALL_MIN_PIXELS, prompt_before_expansion, twin_images,
+                                 vision_checkpoint)
+
+    model = load_model(vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS), dspark=False)
+    prompt = vision_prompt.prepare_prompt(model, prompt_before_expansion(), twin_images(tmp_path))
+
+    class Link(SimpleNamespace):
+        def all_sum(self, x, what):  # the other rank's part: rank 0 failed (1), rows of zeros
+            self.calls.append(what)
+            return x + 1 if x.dtype == mx.int32 and self.rank != 0 else x
+
+    leader = SharedImagePrompt(prompt.ids, prompt.token_types, prompt.images, prompt.starts,
+                               Link(rank=0, size=2, calls=[]))
+    assert leader.inputs(model) is not None  # the tower works: its rows are shared
+    assert leader.link.calls == ["sharing whether the image rows were made",
+                                 "sharing the image rows"]
+    broken = SharedImagePrompt(prompt.ids, prompt.token_types, [None] * len(prompt.images),
+                               prompt.starts, Link(rank=0, size=2, calls=[]))
+    with pytest.raises(Exception) as raised:
+        broken.inputs(model)
+    assert not isinstance(raised.value, ValueError) or "rank 0 could not" not in str(raised.value)
+    assert broken.link.calls == ["sharing whether the image rows were made"]
+    follower = followed_prompt(SimpleNamespace(link=Link(rank=1, size=2, calls=[])),
+                               prompt.ids, json.loads(json.dumps(span_grids(prompt))))
+    with pytest.raises(ValueError, match=r"^rank 0 could not compute the image rows \(its "
+                                         r"error is on rank 0\); rank 1 stops this call too$"):
+        follower.inputs(model)
+    assert follower.link.calls == ["sharing whether the image rows were made"]

@@ -115,11 +115,22 @@ class SharedImagePrompt(ImagePrompt):
         types = self.token_types[begin:]
         if self.link is None or not np.any(types >= 0):
             return super().inputs(model, begin)
+        mine = mx.zeros((int(np.count_nonzero(types >= 0)), model.cfg.hidden_size),
+                        mx.bfloat16)
+        failure = None
         if self.link.rank == 0:
-            mine = span_rows(super().inputs(model, begin), model)
-        else:
-            mine = mx.zeros((int(np.count_nonzero(types >= 0)), model.cfg.hidden_size),
-                            mx.bfloat16)
+            try:  # the tower runs here: its errors surface before the others wait for rows
+                mine = span_rows(super().inputs(model, begin), model)
+                mx.eval(mine)
+            except Exception as e:  # every rank fails this call alike (one int32 first)
+                failure = e
+        failed = self.link.all_sum(mx.array([int(failure is not None)], mx.int32),
+                                   "sharing whether the image rows were made").item()
+        if failure is not None:
+            raise failure
+        if failed:
+            raise ValueError(f"rank 0 could not compute the image rows (its error is on rank "
+                             f"0); rank {self.link.rank} stops this call too")
         rows = self.link.all_sum(mine, "sharing the image rows")
         return ImageInputs(types, rows, has_delimiter_rows=True)
 

@@ -263,6 +263,31 @@ def test_a_followers_prompt_rebuilds_the_token_types(tmp_path):
     assert pipeline.ids == prompt.ids and pipeline.inputs(model) is None
 
 
+def test_a_followers_job_keeps_rank_0s_image_records(tmp_path):
+    """The server's work line carries rank 0's image records: a follower's job (pipeline or
+    tensor parallel) reports them as its prompt's, so its cache entries are stored and their
+    files named as rank 0's (`--prompt-cache-dir` across ranks finds them again)."""
+    from mlx_v41.model.vision.prompt import prepare_prompt
+    from mlx_v41.server.engine import Settings
+    from mlx_v41.server.ranks import FollowerJob, work_record
+    from vision_fixtures import (SMALL_MIN_PIXELS, prompt_before_expansion, twin_images,
+                                 vision_checkpoint)
+
+    model = load_model(vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS), dspark=False)
+    prompt = prepare_prompt(model, prompt_before_expansion(), twin_images(tmp_path))
+    fields = {"logit_bias": None, "repetition_penalty": None, "presence_penalty": None,
+              "frequency_penalty": None, "allow_calls": True}
+    settings = Settings(max_tokens=5, processor_fields=fields)
+    record = json.loads(json.dumps(work_record(
+        SimpleNamespace(prompt=prompt, settings=settings, reuse=None))))
+    assert len(prompt.records()) == 2
+    tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: None)
+    for share in (SimpleNamespace(link=fake_link(1, 2)),
+                  SimpleNamespace(link=fake_link(1, 2), stage=object())):
+        job = FollowerJob(record, share, tokenizer)
+        assert job.prompt.ids == prompt.ids and job.prompt.records() == prompt.records()
+
+
 def test_a_tower_failure_on_rank_0_fails_every_rank_alike(tmp_path):
     """Under tensor parallel the span rows come from rank 0's tower; if it fails there (after
     the prompt was shared), rank 0 raises its error and the others a ValueError naming rank 0,

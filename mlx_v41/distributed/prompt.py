@@ -72,17 +72,19 @@ def span_grids(prompt: ImagePrompt) -> list:
             for start, image in zip(prompt.starts, prompt.images)]
 
 
-def followed_prompt(model, ids: list, grids: list) -> ImagePrompt:
-    """Rank 0's prompt on another rank, from its expanded ids and `span_grids`: under a
-    pipeline all text (the mask comes with the rows); under tensor parallel with the token
-    types, and `inputs` takes rank 0's span rows."""
+def followed_prompt(model, ids: list, grids: list, records: Optional[list] = None
+                    ) -> ImagePrompt:
+    """Rank 0's prompt on another rank, from its expanded ids, `span_grids` and `records()`
+    (what its caches are keyed and named by): under a pipeline all text (the mask comes with
+    the rows); under tensor parallel with the token types, and `inputs` takes rank 0's span
+    rows."""
     types = np.full(len(ids), TEXT, np.int32)
     if getattr(model, "stage", None) is not None:
-        return SharedImagePrompt(list(ids), types)
+        return SharedImagePrompt(list(ids), types, rank0_records=records)
     for start, llm_h, llm_w in grids:
         span = span_types(llm_h, llm_w)
         types[start:start + len(span)] = span
-    return SharedImagePrompt(list(ids), types, link=model.link)
+    return SharedImagePrompt(list(ids), types, link=model.link, rank0_records=records)
 
 
 def _share_records(link, prompt: Optional[ImagePrompt]) -> list:

@@ -1,7 +1,7 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
-HTTP, decodes the images, and shares each request's work (ids, image spans' grids, settings,
-stop strings, processors' fields, DSpark settings, the cached prefix its store chose) as one
-JSON line, then a cancel flag per token and its store's decisions after the request; the other
+HTTP, decodes the images, and shares each request's work (ids, image spans' grids and
+records, settings, stop strings, processors' fields, DSpark settings, the cached prefix its
+store chose) as one JSON line, then a cancel flag per token and its store's decisions after the request; the other
 ranks follow, their stores applying those decisions to their own shares of the caches."""
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ class Follower(RankEngine):
 
 def work_record(job: Job) -> dict:
     settings = {k: v for k, v in asdict(job.settings).items() if k != "processors"}
-    return {"ids": list(job.prompt.ids), "spans": span_grids(job.prompt), "settings": settings,
-            "reuse": job.reuse}
+    return {"ids": list(job.prompt.ids), "spans": span_grids(job.prompt),
+            "records": job.prompt.records(), "settings": settings, "reuse": job.reuse}
 
 
 class FollowerJob(Job):
@@ -132,7 +132,9 @@ class FollowerJob(Job):
     def __init__(self, record: dict, model, tokenizer):
         settings = Settings(**record["settings"])
         settings.processors = processors_from(settings.processor_fields, tokenizer)
-        self.prompt = followed_prompt(model, record["ids"], record["spans"])
+        # rank 0's records: the followers' cache entries are stored (and their files named)
+        # as rank 0's are
+        self.prompt = followed_prompt(model, record["ids"], record["spans"], record["records"])
         self.settings = settings
         self.reuse = record["reuse"]
         self.cancelled, self.finish = threading.Event(), None

@@ -9,6 +9,10 @@ Engram), prefills the same prompt into both models and traces one decode step:
 * ops path: the graph of the step's logits and every cache array it updates, exported with
   `mx.export_to_dot` (compiled regions as the `Compiled...` nodes `mx.compile` fused), for
   mlx_v41 on its reference ops and for mlx-lm's `deepseek_v41`;
+* CPU default: mlx_v41 as it runs on the CPU, where a decode token's mHC Sinkhorn runs in
+  NumPy after its mixes are evaluated (kernels/mhc.py `sinkhorn_host`, the same bits): the
+  MLX launches (traced with a lazy stand-in for the NumPy step, so the step stays one graph)
+  and the host round trips per token;
 * Metal path: mlx_v41 with every kernel one launch (`Kernels.build`: sparse attention, SWA
   ring, FP4 pack, mHC, act_fp8): the kernels are built through their builders with a
   stand-in `metal_kernel` factory whose launch is one `Depends` node over the kernel's inputs
@@ -80,24 +84,52 @@ def launches(counts: collections.Counter) -> collections.Counter:
     return collections.Counter({p: n for p, n in counts.items() if p not in VIEWS})
 
 
-def load_ours(folder: Path, metal: bool):
+def load_ours(folder: Path, path: str):
+    """mlx_v41 on the "ops" (all in MLX), "host" (the CPU's default) or "metal" path."""
     import mlx_v41
     from mlx_v41.kernels import Kernels
 
     model = mlx_v41.load_model(folder)
-    model.kernels = Kernels.build(counting_kernel, include_mhc=True) if metal \
-        else Kernels(use=False)
+    model.kernels = Kernels.build(counting_kernel, include_mhc=True) if path == "metal" \
+        else Kernels(use=False, host_sinkhorn=path == "host")
     return lambda x, c: model(x, cache=c, last_only=True), model.make_cache
 
 
-def measure(name: str, load, ids: mx.array, token: mx.array, layers: int, top: int) -> int:
+class LazyHostSinkhorn:
+    """Stands in for `sinkhorn_host` while a step is traced: counts the round trips and
+    returns its input unevaluated (the NumPy step launches nothing in MLX)."""
+
+    def __init__(self):
+        import mlx_v41.kernels.mhc as module
+
+        self.module, self.real, self.calls = module, module.sinkhorn_host, 0
+
+    def __enter__(self):
+        def lazy(comb, iters, eps):
+            self.calls += 1
+            return comb
+
+        self.module.sinkhorn_host = lazy
+        return self
+
+    def __exit__(self, *exc):
+        self.module.sinkhorn_host = self.real
+
+
+def measure(name: str, load, ids: mx.array, token: mx.array, layers: int, top: int,
+            host: bool = False) -> int:
     call, make_cache = load()
     cache = prefill(call, make_cache, ids, 512)
-    graph = step_graph(call, cache, token)
+    if host:
+        with LazyHostSinkhorn() as stand_in:
+            graph = step_graph(call, cache, token)
+        trips = f", {stand_in.calls} NumPy Sinkhorns"
+    else:
+        graph, trips = step_graph(call, cache, token), ""
     counts = launches(graph)
     total, nodes = sum(counts.values()), sum(graph.values())
     print(f"{name:22s} {total:7,d} launches per token, {total / layers:6.1f} per layer "
-          f"({nodes:,d} graph nodes with the views)")
+          f"({nodes:,d} graph nodes with the views{trips})")
     print("    " + ", ".join(f"{p} {n}" for p, n in counts.most_common(top)))
     return total
 
@@ -119,13 +151,16 @@ def main() -> None:
         write_checkpoint(Path(tmp), config, engram=False)
         print(f"one decode step after {args.prompt} prompt tokens, {layers} layers, "
               f"mlx {mx.__version__}")
-        ours = measure("mlx_v41 (ops)", lambda: load_ours(Path(tmp), False), ids, token,
+        ours = measure("mlx_v41 (ops)", lambda: load_ours(Path(tmp), "ops"), ids, token,
                        layers, args.top)
-        metal = measure("mlx_v41 (Metal path)", lambda: load_ours(Path(tmp), True), ids, token,
-                        layers, args.top)
+        host = measure("mlx_v41 (CPU default)", lambda: load_ours(Path(tmp), "host"), ids,
+                       token, layers, args.top, host=True)
+        metal = measure("mlx_v41 (Metal path)", lambda: load_ours(Path(tmp), "metal"), ids,
+                        token, layers, args.top)
         theirs = measure("mlx-lm deepseek_v41", lambda: load_mlx_lm(Path(tmp)), ids, token,
                          layers, args.top)
-    print(f"ratio mlx-lm / mlx_v41: ops {theirs / ours:.2f}x, Metal path {theirs / metal:.2f}x")
+    print(f"ratio mlx-lm / mlx_v41: ops {theirs / ours:.2f}x, CPU default {theirs / host:.2f}x, "
+          f"Metal path {theirs / metal:.2f}x")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ class Kernels:
     swa_ring_update: Optional[Callable] = None
     mhc: Optional[Callable] = None
     act_fp8: Optional[Callable] = None
+    host_sinkhorn: bool = True  # a few tokens' mHC Sinkhorn in NumPy on the CPU (same bits)
 
     @classmethod
     def build(cls, metal_kernel, check: bool = False, include_mhc: bool = False) -> "Kernels":

@@ -7,19 +7,31 @@ normalisations that add it, one term after another), so its results are the bits
 matmul / reduction form while `mx.compile` fuses each normalisation into one kernel. The Metal
 kernel (metal/mhc.metal) does the whole side in one launch per token: the n*D-long sums in
 threadgroup memory, then the mixes and the 2 x iters normalisations on one lane.
+
+On MLX's CPU backend every kernel launch costs ~10 us of the main thread, and a decode token's
+Sinkhorn is 2 x iters dependent launches on 16 numbers per side (78 of a layer's 214). For a
+few tokens on the CPU, `mhc` therefore runs the normalisations in NumPy (`sinkhorn_host`: the
+same adds and divides in the same order, so the same bits; checked once per device against
+the ops, `host_sinkhorn_exact`), after evaluating the mixes: one host round trip per block side
+instead of 2 x iters launches. `Kernels(host_sinkhorn=False)` keeps them in MLX.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import mlx.core as mx
+import numpy as np
 
 from .builder import build_kernel, metal_applies
 from .check import assert_close, verified
 
 THREADS = 256  # threads per token's threadgroup
 CHECK_TOLERANCE = 2.0 ** -15  # of the largest output: the n*D-long sums run in another order
+# At most this many tokens per call have their Sinkhorn in NumPy on the CPU (decode and DSpark
+# blocks; a prefill chunk's fused kernels cost little next to its work, and it stays lazy).
+HOST_SINKHORN_TOKENS = 64
 
 
 def chain_sum(parts: list, start=None):
@@ -54,7 +66,63 @@ def sinkhorn_ops(comb: mx.array, iters: int, eps: float) -> mx.array:
     return comb
 
 
-def _mixes(streams, fn, base, scale, squares=None, *, iters: int, eps: float, norm_eps: float):
+def sinkhorn_host(comb: mx.array, iters: int, eps: float) -> mx.array:
+    """`sinkhorn_ops` in NumPy, the same fp32 adds and divides in the same order (row sums
+    from 0 for the softmax, from eps after; each sum a chain over the n entries); evaluates
+    `comb`. 2 x iters NumPy steps of a few microseconds instead of as many MLX launches."""
+    if comb.dtype != mx.float32:
+        raise TypeError(f"sinkhorn_host: comb must be float32, got {comb.dtype}")
+    c = np.array(comb)
+    n, e = c.shape[-1], np.float32(eps)
+
+    def row_sums(c, start=None):
+        total = c[..., 0:1] if start is None else start + c[..., 0:1]
+        for k in range(1, n):
+            total = total + c[..., k:k + 1]
+        return total
+
+    def column_sums(c):
+        total = e + c[..., 0:1, :]
+        for k in range(1, n):
+            total = total + c[..., k:k + 1, :]
+        return total
+
+    c = c / row_sums(c) + e
+    c = c / column_sums(c)
+    for _ in range(iters - 1):
+        c = c / row_sums(c, e)
+        c = c / column_sums(c)
+    return mx.array(c)
+
+
+@functools.cache
+def host_sinkhorn_exact(device: str) -> bool:
+    """Whether `sinkhorn_host` gives `sinkhorn_ops`'s bits on `device` (the default device
+    when called), checked once on 4,096 random softmax-like matrices, some with entries
+    spanning 30 orders of magnitude; otherwise False, with one warning (its ops are used)."""
+    rng = np.random.default_rng(41)
+    logits = rng.standard_normal((4096, 4, 4)).astype(np.float32)
+    logits[:1024] *= 16.0  # exp over ~70 binades: sums where rounding matters most
+    comb = mx.exp(mx.array(logits) - mx.array(logits).max(axis=-1, keepdims=True))
+    want = mx.compile(functools.partial(sinkhorn_ops, iters=20, eps=1e-6))(comb)
+    got = sinkhorn_host(comb, 20, 1e-6)
+    if mx.array_equal(got.view(mx.uint32), want.view(mx.uint32)).item():
+        return True
+    warnings.warn(f"mHC Sinkhorn in NumPy differs from its MLX ops on {device}; keeping the "
+                  "ops", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def _host_applies(streams: mx.array) -> bool:
+    """A few tokens, on the CPU, where NumPy's Sinkhorn gives the ops' bits."""
+    tokens = streams.size // (streams.shape[-1] * streams.shape[-2])
+    device = mx.default_device()
+    return tokens <= HOST_SINKHORN_TOKENS and device == mx.cpu and \
+        host_sinkhorn_exact(str(device))
+
+
+def _mixes(streams, fn, base, scale, squares=None, *, iters: int, eps: float, norm_eps: float,
+           normalise: bool = True):
     n = streams.shape[-2]
     flat = streams.astype(mx.float32).reshape(*streams.shape[:-2], -1)
     squares = flat * flat if squares is None else squares.reshape(flat.shape)
@@ -71,17 +139,27 @@ def _mixes(streams, fn, base, scale, squares=None, *, iters: int, eps: float, no
 
     columns = [affine(x, b) for x, b in zip(along(raw, -1), along(shift, -1))]
     comb = _row_softmax(affine(raw, shift), columns)
-    return pre, post, sinkhorn_ops(comb, iters, eps)
+    return pre, post, sinkhorn_ops(comb, iters, eps) if normalise else comb
 
 
 @functools.cache
-def _compiled_mixes(iters: int, eps: float, norm_eps: float):
-    return mx.compile(functools.partial(_mixes, iters=iters, eps=eps, norm_eps=norm_eps))
+def _compiled_mixes(iters: int, eps: float, norm_eps: float, normalise: bool = True):
+    return mx.compile(functools.partial(_mixes, iters=iters, eps=eps, norm_eps=norm_eps,
+                                        normalise=normalise))
 
 
-def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, squares=None):
-    """Reference (pure MLX); arguments as in `mhc`."""
+def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, squares=None,
+            host: bool = False):
+    """Reference (pure MLX); arguments as in `mhc`. `host`: the Sinkhorn in NumPy where that
+    applies (a few tokens on the CPU; the same bits), which evaluates the mixes."""
     extra = () if squares is None else (squares,)
+    if host and _host_applies(streams):
+        pre, post, comb = _compiled_mixes(iters, eps, norm_eps, False)(streams, fn, base, scale,
+                                                                        *extra)
+        try:
+            return pre, post, sinkhorn_host(comb, iters, eps)
+        except ValueError:  # inside a transformation (mx.compile, vmap): no evaluation there
+            pass
     return _compiled_mixes(iters, eps, norm_eps)(streams, fn, base, scale, *extra)
 
 
@@ -134,7 +212,7 @@ def _metal_run():
 
 
 def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
-        use_kernel: bool = True, run=None, streams32=None, squares=None):
+        use_kernel: bool = True, run=None, streams32=None, squares=None, host: bool = True):
     """pre, post and comb mixes of one block side.
 
     Args:
@@ -148,6 +226,8 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
             (saves them a cast); the kernel reads `streams`.
         squares: optional streams32 * streams32 for the ops' RMS (saves them a kernel); only
             with `streams32`.
+        host: the ops' Sinkhorn in NumPy for up to HOST_SINKHORN_TOKENS tokens on the CPU
+            (the same bits; evaluates the mixes there).
     Returns:
         (pre [B, S, n], post [B, S, n], comb [B, S, n, n]), fp32.
     """
@@ -155,5 +235,5 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         return run(streams, fn, base, scale, iters, eps, norm_eps)
     if not use_kernel or not metal_applies() or streams.size == 0 or streams.ndim < 3:
         return mhc_ops(streams if streams32 is None else streams32, fn, base, scale, iters, eps,
-                       norm_eps, squares if streams32 is not None else None)
+                       norm_eps, squares if streams32 is not None else None, host=host)
     return _metal_run()(streams, fn, base, scale, iters, eps, norm_eps)

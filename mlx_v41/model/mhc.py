@@ -37,7 +37,7 @@ class HyperConnection(nn.Module):
         kernels = kernels or Kernels()
         return mhc(streams, self.fn, self.base, self.scale, self._iters, self._eps,
                    self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32,
-                   squares=squares)
+                   squares=squares, host=kernels.host_sinkhorn)
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:

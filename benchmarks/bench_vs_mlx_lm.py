@@ -12,7 +12,8 @@ cache evaluated, as mlx-lm's generate does), then --decode single-token steps. R
 of --repeats runs, the ratios ours / mlx-lm, each model's resident weight memory and its peak
 working memory (peak above what was resident before the run). mlx_v41 runs its default exact CED
 prefill (decoder layers skip rows no later window or logit reads); --also-full adds a run with
-prefill_mode="full", the same work as mlx-lm.
+prefill_mode="full", the same work as mlx-lm; --also-mlx-sinkhorn adds a run with the decode
+Sinkhorn in MLX instead of NumPy (`Kernels.host_sinkhorn=False`, the same bits).
 
     python benchmarks/bench_vs_mlx_lm.py [--prompt 2048 --decode 32 --prefill-step-size 512]
 """
@@ -93,10 +94,11 @@ class Runner:
                 "peak_gb": self.peak_gb}
 
 
-def load_ours(folder, prefill_mode="ced"):
+def load_ours(folder, prefill_mode="ced", host_sinkhorn=True):
     import mlx_v41
 
     model = mlx_v41.load_model(folder, prefill_mode=prefill_mode)
+    model.kernels.host_sinkhorn = host_sinkhorn
     return lambda x, c: model(x, cache=c, last_only=True), model.make_cache
 
 
@@ -140,6 +142,9 @@ def main():
     parser.add_argument("--index-topk", type=int, default=128, help="index_topk (published 512)")
     parser.add_argument("--also-full", action="store_true",
                         help="also time mlx_v41 with prefill_mode='full'")
+    parser.add_argument("--also-mlx-sinkhorn", action="store_true",
+                        help="also time mlx_v41 with its decode Sinkhorn in MLX "
+                             "(Kernels.host_sinkhorn=False) instead of NumPy")
     parser.add_argument("--checkpoint", type=Path, help="reuse (or write) the checkpoint here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,6 +161,9 @@ def main():
         runners = [Runner("mlx_v41", lambda: load_ours(folder))]
         if args.also_full:
             runners.append(Runner("mlx_v41 (full)", lambda: load_ours(folder, "full")))
+        if args.also_mlx_sinkhorn:
+            runners.append(Runner("mlx_v41 (MLX Sinkhorn)",
+                                  lambda: load_ours(folder, host_sinkhorn=False)))
         runners.append(Runner("mlx-lm", lambda: load_mlx_lm(folder)))
         results = bench(runners, args)
     theirs = results.pop("mlx-lm")

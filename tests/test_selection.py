@@ -188,3 +188,25 @@ def test_fused_head_sum_against_numpy_across_shapes():
                                    mx.array(w).astype(mx.bfloat16))
         assert fused.shape == shape[:2] + shape[3:] and fused.dtype == mx.bfloat16
         assert np.array_equal(np.array(fused.astype(mx.float32)), expected), shape
+
+
+def test_one_head_scores_match_numpy_with_evaluated_inputs():
+    """One index head (as small test configs have): `block_scores` skips the head sum, which
+    MLX 0.32 crashes on (a segfault summing a size-1 axis in a shapeless compile, once the
+    inputs are evaluated), and keeps its bits: 0 + x, so -0 scores come out +0."""
+    from mlx_v41.model.indexer import Indexer
+
+    rng = np.random.default_rng(4)
+    indexer = Indexer(64, 32, 64, 1, 16, False, 1e-6)
+    for s, t in [(63, 31), (1, 5), (4, 1)]:
+        q = mx.array(_bf16(rng.uniform(-2, 2, (1, s, 1, 16)))).astype(mx.bfloat16)
+        keys = mx.array(_bf16(rng.uniform(-2, 2, (1, t, 16)))).astype(mx.bfloat16)
+        w = mx.array(_bf16(rng.choice([-1, 1], (1, s, 1, 1)) * 0.5)).astype(mx.bfloat16)
+        mx.eval(q, keys, w)
+        got = indexer.block_scores(q, w, keys)
+        qk = np.array(mx.einsum("bshd,btd->bsht", q, keys).astype(mx.float32))
+        expected = _bf16(_bf16(np.maximum(_bf16(qk), 0) * np.array(w.astype(mx.float32))) + 0.0)
+        assert got.shape == (1, s, t) and got.dtype == mx.bfloat16
+        got32 = np.array(got.astype(mx.float32))
+        assert np.array_equal(got32.view(np.uint32), expected[:, :, 0].view(np.uint32)), (s, t)
+        assert (got32 == 0).any() and not np.signbit(got32[got32 == 0]).any()

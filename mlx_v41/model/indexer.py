@@ -46,15 +46,27 @@ class Indexer(nn.Module):
     def block_scores(self, q, weights, keys: mx.array) -> mx.array:
         """bf16 scores [B, S, T] of the queries against decoded index keys [B, T, d] (no
         masking)."""
-        return _weighted_relu_sum(mx.einsum("bshd,btd->bsht", q, keys), weights)
+        qk = mx.einsum("bshd,btd->bsht", q, keys)
+        if qk.shape[2] == 1:  # MLX 0.32 crashes summing a size-1 axis in a shapeless compile
+            return _weighted_relu_one(qk, weights)
+        return _weighted_relu_sum(qk, weights)
+
+
+def _weighted(qk: mx.array, weights: mx.array) -> mx.array:
+    return (mx.maximum(qk.astype(mx.bfloat16), 0) * weights).astype(mx.bfloat16)
 
 
 @functools.partial(mx.compile, shapeless=True)
 def _weighted_relu_sum(qk: mx.array, weights: mx.array) -> mx.array:
     """Σ_heads bf16(relu(bf16(qk)) · w), summed in fp32, as bf16: one fused pass over the
     [B, S, H, T] products instead of four full-size intermediates."""
-    weighted = (mx.maximum(qk.astype(mx.bfloat16), 0) * weights).astype(mx.bfloat16)
-    return mx.sum(weighted.astype(mx.float32), axis=2).astype(mx.bfloat16)
+    return mx.sum(_weighted(qk, weights).astype(mx.float32), axis=2).astype(mx.bfloat16)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _weighted_relu_one(qk: mx.array, weights: mx.array) -> mx.array:
+    """The same for one head: the sum's 0 + x (which turns -0 into +0), without the sum."""
+    return (_weighted(qk, weights).astype(mx.float32) + 0.0).astype(mx.bfloat16)[:, :, 0]
 
 
 def visible_rows(positions: mx.array, ratio: int, total: int) -> mx.array:

@@ -72,6 +72,9 @@ def sinkhorn_host(comb: mx.array, iters: int, eps: float) -> mx.array:
     `comb`. 2 x iters NumPy steps of a few microseconds instead of as many MLX launches."""
     if comb.dtype != mx.float32:
         raise TypeError(f"sinkhorn_host: comb must be float32, got {comb.dtype}")
+    # mx.eval first: its errors (a lost peer's collective under tensor parallel) raise, where
+    # NumPy's buffer read of an unevaluated array would wait on them forever.
+    mx.eval(comb)
     c = np.array(comb)
     n, e = c.shape[-1], np.float32(eps)
 
@@ -158,8 +161,9 @@ def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, s
                                                                         *extra)
         try:
             return pre, post, sinkhorn_host(comb, iters, eps)
-        except ValueError:  # inside a transformation (mx.compile, vmap): no evaluation there
-            pass
+        except ValueError as e:  # inside a transformation (mx.compile, vmap): no evaluation
+            if "function transformations" not in str(e):
+                raise
     return _compiled_mixes(iters, eps, norm_eps)(streams, fn, base, scale, *extra)
 
 

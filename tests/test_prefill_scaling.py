@@ -38,31 +38,44 @@ def tiny():
     return reference_ops(mlx_v41.load_model(golden_checkpoint("tiny")))
 
 
-def _evaluations(model, ids, monkeypatch) -> int:
-    """mx.eval calls of a chunked prefill of `ids` (chunks of 8), from an empty cache."""
-    calls = []
-    real = mx.eval
+def _evaluations(model, ids, monkeypatch) -> tuple:
+    """(mx.eval calls, NumPy Sinkhorns) of a chunked prefill of `ids` (chunks of 8), from an
+    empty cache."""
+    import mlx_v41.kernels.mhc as mhc
+
+    calls, host = [], []
+    real, real_host = mx.eval, mhc.sinkhorn_host
     monkeypatch.setattr(mx, "eval", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(mhc, "sinkhorn_host", lambda *a: (host.append(1), real_host(*a))[1])
     model.prefill(ids, model.make_cache(), step_size=8)
     monkeypatch.setattr(mx, "eval", real)
-    return len(calls)
+    monkeypatch.setattr(mhc, "sinkhorn_host", real_host)
+    return len(calls), len(host)
 
 
-def test_one_evaluation_per_chunk_at_any_context(tiny, goldens, monkeypatch):
+@pytest.mark.parametrize("host_sinkhorn", [False, True])
+def test_one_evaluation_per_chunk_at_any_context(tiny, goldens, monkeypatch, host_sinkhorn):
     """Key blocks of 8 rows and one query row per score block: 3 chunks and 11 chunks of 8
     tokens evaluate exactly once per chunk (the chunk's own evaluation), the last chunk of
     the longer prompt scoring 11 key blocks per index layer. A first run makes the constants
-    that are evaluated once per shape (row numbers, tables)."""
+    that are evaluated once per shape (row numbers, tables). With the CPU's NumPy Sinkhorn
+    (chunks this small use it) each block side that runs adds its one evaluation: at most
+    2 per layer in every chunk, whatever the context (exact CED runs the decoder layers in
+    some chunks only)."""
     import mlx_v41.model.attention as attention
     import mlx_v41.model.indexer as indexer
 
     monkeypatch.setattr(indexer, "KEY_BLOCK", 8)
     monkeypatch.setattr(attention, "SCORE_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(tiny.kernels, "host_sinkhorn", host_sinkhorn)
     prompt = goldens("tiny").prompt[None].astype(mx.int32)
     assert prompt.shape[1] >= 88
     for length in (24, 88):
         _evaluations(tiny, prompt[:, :length], monkeypatch)
-        assert _evaluations(tiny, prompt[:, :length], monkeypatch) == length // 8
+        evaluations, host = _evaluations(tiny, prompt[:, :length], monkeypatch)
+        assert evaluations - host == length // 8
+        sides = 2 * tiny.cfg.num_hidden_layers * (length // 8)
+        assert (sides // 2 < host <= sides) if host_sinkhorn else host == 0, (host, sides)
 
 
 def test_blocked_prefill_equals_unblocked_at_the_last_chunk(tiny, goldens, monkeypatch):

@@ -69,33 +69,38 @@ def sinkhorn_ops(comb: mx.array, iters: int, eps: float) -> mx.array:
 def sinkhorn_host(comb: mx.array, iters: int, eps: float) -> mx.array:
     """`sinkhorn_ops` in NumPy, the same fp32 adds and divides in the same order (row sums
     from 0 for the softmax, from eps after; each sum a chain over the n entries); evaluates
-    `comb`. 2 x iters NumPy steps of a few microseconds instead of as many MLX launches."""
+    `comb`. The matrix sits inside an (n+1) x (n+1) buffer whose first row and column hold
+    eps, so each sum is the last term of one `np.add.accumulate` (sequential by definition:
+    ((eps + c0) + c1) + ...) and each normalisation two NumPy calls, in place."""
     if comb.dtype != mx.float32:
         raise TypeError(f"sinkhorn_host: comb must be float32, got {comb.dtype}")
     # mx.eval first: its errors (a lost peer's collective under tensor parallel) raise, where
     # NumPy's buffer read of an unevaluated array would wait on them forever.
     mx.eval(comb)
     c = np.array(comb)
-    n, e = c.shape[-1], np.float32(eps)
-
-    def row_sums(c, start=None):
-        total = c[..., 0:1] if start is None else start + c[..., 0:1]
-        for k in range(1, n):
-            total = total + c[..., k:k + 1]
-        return total
-
-    def column_sums(c):
-        total = e + c[..., 0:1, :]
-        for k in range(1, n):
-            total = total + c[..., k:k + 1, :]
-        return total
-
-    c = c / row_sums(c) + e
-    c = c / column_sums(c)
+    lead, n = c.shape[:-2], c.shape[-1]
+    e = np.float32(eps)
+    buf = np.empty(lead + (n + 1, n + 1), np.float32)
+    buf[..., 0, :] = e
+    buf[..., :, 0] = e
+    m = buf[..., 1:, 1:]
+    m[...] = c
+    rows, columns = buf[..., 1:, :], buf[..., :, 1:]        # each sum starts from its eps
+    row_acc = np.empty(rows.shape, np.float32)
+    column_acc = np.empty(columns.shape, np.float32)
+    row_sums, column_sums = row_acc[..., -1:], column_acc[..., -1:, :]
+    accumulate, divide = np.add.accumulate, np.divide
+    accumulate(m, axis=-1, out=row_acc[..., 1:])              # the softmax's sums from 0
+    divide(m, row_sums, out=m)
+    np.add(m, e, out=m)
+    accumulate(columns, axis=-2, out=column_acc)
+    divide(m, column_sums, out=m)
     for _ in range(iters - 1):
-        c = c / row_sums(c, e)
-        c = c / column_sums(c)
-    return mx.array(c)
+        accumulate(rows, axis=-1, out=row_acc)
+        divide(m, row_sums, out=m)
+        accumulate(columns, axis=-2, out=column_acc)
+        divide(m, column_sums, out=m)
+    return mx.array(m)
 
 
 @functools.cache

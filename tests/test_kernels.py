@@ -442,3 +442,17 @@ def test_sparse_attention_ops_row_blocks_are_exact(monkeypatch):
     blocked = attn_mod.sparse_attention_ops(q, window, packed, rows, sinks, 0.17, window_size)
     assert blocked.shape == whole.shape and mx.array_equal(blocked, whole)
     assert not mx.isnan(whole.astype(mx.float32)).any()
+
+
+def test_few_sinks_are_padded_once_per_array():
+    """A layer with fewer than 8 heads hands the attention kernel its sinks padded with zeros
+    to 8 floats, made once per sinks array (not a Full and a Concatenate per call)."""
+    from mlx_v41.kernels.sparse_attention import _padded_sinks
+
+    sinks = mx.array([0.5, -1.0, 2.0, 0.25], dtype=mx.float32)
+    padded = _padded_sinks(sinks)
+    assert _padded_sinks(sinks) is padded
+    assert padded.tolist() == [0.5, -1.0, 2.0, 0.25, 0.0, 0.0, 0.0, 0.0]
+    other = sinks * 2
+    assert _padded_sinks(other) is not padded and _padded_sinks(other).tolist()[:4] == \
+        [1.0, -2.0, 4.0, 0.5]

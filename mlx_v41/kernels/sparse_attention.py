@@ -135,9 +135,7 @@ def build_sparse_attention(metal_kernel=None):
             pad = mx.full((batch, length, -(-8 // (batch * length)) - topk), -1, dtype=mx.int32)
             rows = mx.concatenate([rows.astype(mx.int32), pad], axis=-1)
             topk = rows.shape[-1]
-        sinks = sinks.astype(mx.float32)
-        if sinks.size < 8:
-            sinks = mx.concatenate([sinks, mx.zeros((8 - sinks.size,), mx.float32)])
+        sinks = _padded_sinks(sinks) if sinks.size < 8 else sinks.astype(mx.float32)
         threads = 32 * simdgroups
         out, = kernel(
             inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, float(scale),
@@ -149,6 +147,23 @@ def build_sparse_attention(metal_kernel=None):
 
     run.kernel = kernel  # the factory's kernel object (tests read its generated text)
     return run
+
+
+_PADDED_SINKS: dict = {}  # id(sinks) -> (sinks, padded): a layer's sinks padded once
+
+
+def _padded_sinks(sinks: mx.array) -> mx.array:
+    """Fewer than 8 sinks (small test models) padded with zeros to 8 floats, made once per
+    sinks array (the entry holds the array, so its id is not reused while cached) instead of
+    a Full and a Concatenate in every call."""
+    entry = _PADDED_SINKS.get(id(sinks))
+    if entry is None or entry[0] is not sinks:
+        if len(_PADDED_SINKS) >= 256:
+            _PADDED_SINKS.clear()
+        padded = mx.concatenate([sinks.astype(mx.float32),
+                                 mx.zeros((8 - sinks.size,), mx.float32)])
+        entry = _PADDED_SINKS[id(sinks)] = (sinks, padded)
+    return entry[1]
 
 
 @functools.cache

@@ -473,3 +473,27 @@ def test_tokenizer_disagrees_with_compressed_vocab_size(ckpt):
     with pytest.raises((CheckpointError, ConfigError)) as info:
         load_model(ckpt)
     assert "engram_compressed_vocab_size" in str(info.value)
+
+
+def test_a_one_stage_drafter_loads_its_heads_from_that_stage(tmp_path):
+    """The drafter's heads (norm, Markov, confidence) sit on its last stage: `mtp.2.` in the
+    published 3-stage layout, `mtp.0.` with one stage (bench_real_width's checkpoint), which
+    was refused as an unknown tensor."""
+    from checkpoint_factory import write_checkpoint
+
+    from mlx_v41.checkpoint.random_checkpoint import tiny_text_config
+
+    cfg = tiny_text_config(
+        num_hidden_layers=4, compress_ratios=[0, 2, 1, 0, 0], kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2], candidate_source_layer_id=2, num_nextn_predict_layers=1,
+        dspark_target_layer_ids=[1, 2, 3], hidden_size=64, n_routed_experts=4,
+        dspark_n_routed_experts=2, moe_intermediate_size=32)
+    folder = write_checkpoint(tmp_path / "hf", cfg, engram=False)
+    model = mlx_v41.load_model(folder, dspark=True)
+    tensors = {}
+    for shard in folder.glob("*.safetensors"):
+        tensors.update(mx.load(str(shard)))
+    want = tensors["mtp.0.confidence_head.proj.weight"].astype(mx.float32)
+    got = model.dspark.confidence_head.proj.astype(mx.float32)
+    assert got.shape == want.shape and mx.array_equal(got, want).item()
+    assert not any(name.startswith("mtp.2.") for name in tensors)

@@ -88,6 +88,16 @@ DSPARK_RENAMES = _stage_renames() + [
     (r"mtp\.2\.markov_head\.(embed|head)\.weight", r"dspark.markov_head.\1", "plain"),
     (r"mtp\.2\.confidence_head\.proj\.weight", "dspark.confidence_head.proj", "plain"),
 ]
+
+
+def dspark_renames(index) -> list:
+    """`DSPARK_RENAMES` for the checkpoint's stage count: the heads (norm, Markov,
+    confidence) sit on the last stage, `mtp.2.` in the published 3-stage layout."""
+    stages = [int(m.group(1)) for name in index if (m := re.match(M, name))]
+    last = max(stages, default=2)
+    return [(p.replace(r"mtp\.2\.", rf"mtp\.{last}\."), t, k) for p, t, k in DSPARK_RENAMES]
+
+
 # The vision tower keeps its published names (BF16 everywhere).
 VISION_RENAMES = [
     (r"(vision\..+)", r"\1", "plain"),
@@ -194,7 +204,8 @@ def plan(index: dict, dspark: bool = False, vision: bool = False) -> tuple[dict,
     used, dropped = defaultdict(list), {}
     loaded = {g for g, on in (("dspark", dspark), ("vision", vision)) if on}
     drops = [d for d in DROPS if d[2] not in loaded]
-    renames = RENAMES + (DSPARK_RENAMES if dspark else []) + (VISION_RENAMES if vision else [])
+    renames = RENAMES + (dspark_renames(index) if dspark else []) + \
+        (VISION_RENAMES if vision else [])
     for name in sorted(index):
         reason = next((why for p, why, _ in drops if re.fullmatch(p, name)), None)
         if reason:

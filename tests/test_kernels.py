@@ -444,15 +444,19 @@ def test_sparse_attention_ops_row_blocks_are_exact(monkeypatch):
     assert not mx.isnan(whole.astype(mx.float32)).any()
 
 
-def test_few_sinks_are_padded_once_per_array():
-    """A layer with fewer than 8 heads hands the attention kernel its sinks padded with zeros
-    to 8 floats, made once per sinks array (not a Full and a Concatenate per call)."""
-    from mlx_v41.kernels.sparse_attention import _padded_sinks
+
+def test_small_kernel_inputs_are_padded_once_per_array():
+    """Kernel inputs of fewer than 8 floats (a layer's 3 mix scales, a small model's attention
+    sinks) are zero-padded to 8 once per array, not a Full and a Concatenate per call, and a
+    new array (a reloaded parameter) gets its own; 8 or more pass through as fp32."""
+    from mlx_v41.kernels.builder import device_buffer
 
     sinks = mx.array([0.5, -1.0, 2.0, 0.25], dtype=mx.float32)
-    padded = _padded_sinks(sinks)
-    assert _padded_sinks(sinks) is padded
+    padded = device_buffer(sinks)
+    assert device_buffer(sinks) is padded
     assert padded.tolist() == [0.5, -1.0, 2.0, 0.25, 0.0, 0.0, 0.0, 0.0]
     other = sinks * 2
-    assert _padded_sinks(other) is not padded and _padded_sinks(other).tolist()[:4] == \
+    assert device_buffer(other) is not padded and device_buffer(other).tolist()[:4] == \
         [1.0, -2.0, 4.0, 0.5]
+    wide = mx.arange(9, dtype=mx.bfloat16)
+    assert device_buffer(wide).dtype == mx.float32 and device_buffer(wide).size == 9

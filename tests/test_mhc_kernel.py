@@ -50,23 +50,3 @@ def test_mhc_kernel_on_a_model_block(goldens):
     args = (streams, hc.fn, hc.base, hc.scale, hc._iters, hc._eps, hc._norm_eps)
     _close(mhc(*args, run=build_mhc(checked)), mhc(*args, use_kernel=False))
 
-
-def test_block_side_pads_its_scale_once_and_follows_a_new_one():
-    """A block side hands the kernel its scale padded to 8 floats, made once (not two
-    launches per call) and remade when the parameter is replaced; the kernel and the ops give
-    the same results from the padded scale as from the 3 values."""
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
-    hc = model.model.layers[3].attn_hc
-    padded = hc.padded_scale()
-    assert hc.padded_scale() is padded and padded.shape == (8,)
-    assert np.array_equal(np.array(padded), np.r_[np.array(hc.scale), np.zeros(5)])
-    dim = hc.fn.shape[1] // 4
-    streams = mx.array(np.random.default_rng(5).standard_normal((1, 2, 4, dim))).astype(
-        mx.bfloat16)
-    args = (streams, hc.fn, hc.base)
-    rest = (hc._iters, hc._eps, hc._norm_eps)
-    _close(mhc(*args, padded, *rest, run=build_mhc(checked)), mhc_ops(*args, hc.scale, *rest))
-    for got, want in zip(mhc_ops(*args, padded, *rest), mhc_ops(*args, hc.scale, *rest)):
-        assert np.array_equal(np.array(got), np.array(want))
-    hc.scale = hc.scale * 2
-    assert np.array_equal(np.array(hc.padded_scale())[:3], np.array(hc.scale))

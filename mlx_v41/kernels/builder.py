@@ -92,3 +92,23 @@ def simd_threadgroup(threads: int) -> int:
     simdgroups each own one 32-value block: a simd_max needs full, uniform simdgroups and the
     grid an exact multiple of the threadgroup."""
     return next(t for t in (256, 128, 64, 32) if threads % t == 0)
+
+
+_BUFFERS: dict = {}  # id(array) -> (array, padded): each small input padded once
+
+
+def device_buffer(x: mx.array) -> mx.array:
+    """x as fp32, zero-padded to at least 8 elements: MLX binds smaller kernel inputs as
+    `constant`, a different kernel. Made once per array (a layer's mix scales, a small model's
+    attention sinks) instead of a Full and a Concatenate in every call; the entry holds the
+    array, so its id is not reused while cached."""
+    if x.size >= 8:
+        return x.astype(mx.float32)
+    entry = _BUFFERS.get(id(x))
+    if entry is None or entry[0] is not x:
+        if len(_BUFFERS) >= 1024:
+            _BUFFERS.clear()
+        padded = mx.concatenate([x.reshape(-1).astype(mx.float32),
+                                 mx.zeros((8 - x.size,), mx.float32)])
+        entry = _BUFFERS[id(x)] = (x, padded)
+    return entry[1]

@@ -24,7 +24,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 
-from .builder import build_kernel, metal_applies
+from .builder import build_kernel, device_buffer, metal_applies
 from .check import assert_close, verified
 
 THREADS = 256  # threads per token's threadgroup
@@ -173,12 +173,6 @@ def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, s
     return _compiled_mixes(iters, eps, norm_eps)(streams, fn, base, scale, *extra)
 
 
-def pad_scale(scale: mx.array) -> mx.array:
-    """The 3 mix scales as the kernel's 8-float buffer (zeros after them); the ops read the
-    first 3 either way."""
-    return mx.concatenate([scale.astype(mx.float32), mx.zeros((5,), mx.float32)])
-
-
 def build_mhc(metal_kernel=None):
     """The kernel as `run(streams, fn, base, scale, iters, eps, norm_eps)`, built from
     metal/mhc.metal with `metal_kernel` (mx.fast.metal_kernel by default; tests pass the
@@ -192,9 +186,8 @@ def build_mhc(metal_kernel=None):
         tokens = 1
         for size in lead:
             tokens *= size
-        # `scale` has 3 values: padded to 8 so it binds as a device buffer like the others
-        # (`pad_scale`; a caller that keeps the padded one saves the two launches per call).
-        scale8 = scale if scale.shape == (8,) and scale.dtype == mx.float32 else pad_scale(scale)
+        # `scale` has 3 values: padded to 8 so it binds as a device buffer like the others.
+        scale8 = device_buffer(scale)
         pre, post, comb = kernel(
             inputs=[streams.reshape(tokens, n, dim).astype(mx.bfloat16), fn.astype(mx.float32),
                     base.astype(mx.float32), scale8, int(iters), float(eps), float(norm_eps)],

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
-from .builder import build_kernel, metal_applies
+from .builder import build_kernel, device_buffer, metal_applies
 from .check import assert_close, verified
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
@@ -135,7 +135,7 @@ def build_sparse_attention(metal_kernel=None):
             pad = mx.full((batch, length, -(-8 // (batch * length)) - topk), -1, dtype=mx.int32)
             rows = mx.concatenate([rows.astype(mx.int32), pad], axis=-1)
             topk = rows.shape[-1]
-        sinks = _padded_sinks(sinks) if sinks.size < 8 else sinks.astype(mx.float32)
+        sinks = device_buffer(sinks)
         threads = 32 * simdgroups
         out, = kernel(
             inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, float(scale),
@@ -147,23 +147,6 @@ def build_sparse_attention(metal_kernel=None):
 
     run.kernel = kernel  # the factory's kernel object (tests read its generated text)
     return run
-
-
-_PADDED_SINKS: dict = {}  # id(sinks) -> (sinks, padded): a layer's sinks padded once
-
-
-def _padded_sinks(sinks: mx.array) -> mx.array:
-    """Fewer than 8 sinks (small test models) padded with zeros to 8 floats, made once per
-    sinks array (the entry holds the array, so its id is not reused while cached) instead of
-    a Full and a Concatenate in every call."""
-    entry = _PADDED_SINKS.get(id(sinks))
-    if entry is None or entry[0] is not sinks:
-        if len(_PADDED_SINKS) >= 256:
-            _PADDED_SINKS.clear()
-        padded = mx.concatenate([sinks.astype(mx.float32),
-                                 mx.zeros((8 - sinks.size,), mx.float32)])
-        entry = _PADDED_SINKS[id(sinks)] = (sinks, padded)
-    return entry[1]
 
 
 @functools.cache

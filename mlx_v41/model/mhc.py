@@ -16,14 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import Kernels
-from ..kernels.mhc import along, chain_sum, mhc, pad_scale
-
-
-class _Padded:
-    """`scale` as the Metal kernel's 8-float buffer, kept beside the parameter it was made
-    from (a plain object: an array attribute would be a module parameter)."""
-
-    source = padded = None
+from ..kernels.mhc import along, chain_sum, mhc
 
 
 class HyperConnection(nn.Module):
@@ -35,7 +28,6 @@ class HyperConnection(nn.Module):
         self.base = mx.zeros(((2 + n) * n,), dtype=mx.float32)
         self.scale = mx.zeros((3,), dtype=mx.float32)
         self._iters, self._eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
-        self._padded = _Padded()
 
     def __call__(self, streams: mx.array, kernels: Optional[Kernels] = None,
                  streams32: Optional[mx.array] = None, squares: Optional[mx.array] = None):
@@ -43,18 +35,9 @@ class HyperConnection(nn.Module):
         `streams32`, `squares`: the same values in fp32 and their squares when the caller
         has them (`expand_pair`)."""
         kernels = kernels or Kernels()
-        return mhc(streams, self.fn, self.base, self.padded_scale(), self._iters, self._eps,
+        return mhc(streams, self.fn, self.base, self.scale, self._iters, self._eps,
                    self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32,
                    squares=squares, host=kernels.host_sinkhorn)
-
-
-    def padded_scale(self) -> mx.array:
-        """`scale` padded to 8 floats, made once per loaded `scale` (the kernel binds 8; the
-        ops read the first 3), instead of two launches in every call."""
-        cached = self._padded
-        if cached.source is not self.scale:
-            cached.source, cached.padded = self.scale, pad_scale(self.scale)
-        return cached.padded
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:

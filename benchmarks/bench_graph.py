@@ -90,7 +90,7 @@ def load_ours(folder: Path, path: str):
     from mlx_v41.kernels import Kernels
 
     model = mlx_v41.load_model(folder)
-    model.kernels = Kernels.build(counting_kernel, include_mhc=True) if path == "metal" \
+    model.kernels = Kernels.build(counting_kernel, inexact=True) if path == "metal" \
         else Kernels(use=False, host_sinkhorn=path == "host")
     return lambda x, c: model(x, cache=c, last_only=True), model.make_cache
 

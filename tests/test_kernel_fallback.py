@@ -33,7 +33,7 @@ OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
 def _build(factory):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        kernels = Kernels.build(factory, check=True, include_mhc=True)
+        kernels = Kernels.build(factory, check=True, inexact=True)
     return kernels, [str(w.message) for w in caught if w.category is RuntimeWarning]
 
 

@@ -23,17 +23,26 @@ class Kernels:
     swa_ring_update: Optional[Callable] = None
     mhc: Optional[Callable] = None
     act_fp8: Optional[Callable] = None
+    # Fused kernels of the Metal path (issue 13), within a stated tolerance of their ops:
+    norm: Optional[Callable] = None            # kernels/norm.py: [collapse ->] RMSNorm [-> RoPE, act_fp8]
+    router: Optional[Callable] = None          # kernels/router.py: MoE gate scores -> top-k ids, weights
+    swiglu_act_fp8: Optional[Callable] = None  # kernels/swiglu.py: clamped SwiGLU [x w] -> act_fp8
+    window_rows: Optional[Callable] = None     # kernels/window_rows.py: ring rows + new rows -> window
+    rope_products: Optional[Callable] = None   # kernels/rope_products.py: bf16(products) -> RoPE
+    index_queries: Optional[Callable] = None   # kernels/index_queries.py: RoPE -> fp4_e8m0 qdq
     host_sinkhorn: bool = True  # a few tokens' mHC Sinkhorn in NumPy on the CPU (same bits)
 
     @classmethod
-    def build(cls, metal_kernel, check: bool = False, include_mhc: bool = False) -> "Kernels":
+    def build(cls, metal_kernel, check: bool = False, inexact: bool = False) -> "Kernels":
         """The kernels built with one `metal_kernel` factory (MLX's or the simulator's).
 
         `check`: each one self-checked against its ops first (a failure: its ops, and one
-        warning naming it), as the dispatchers' own Metal kernels are. `include_mhc`: the mHC
-        kernel too; otherwise the dispatcher decides for it (its n*D-long sums run in another
-        order than the ops, within 2^-15, which the chaotic model amplifies, so comparisons of
-        the other kernels through the simulator keep the mHC ops)."""
+        warning naming it), as the dispatchers' own Metal kernels are. `inexact`: also the
+        kernels that hold their ops' values within a stated tolerance rather than bit for bit
+        (the mHC side and the fused kernels: their sums run in another order, as MLX's own
+        Metal reductions do); otherwise the dispatchers decide for them, so that comparisons
+        of the exact kernels through the simulator are not lost in the chaotic model's
+        amplification of a last-bit difference."""
         builders = {"fp4_pack": build_fp4_pack, "sparse_attention": build_sparse_attention,
                     "swa_ring_update": build_swa_ring_update, "act_fp8": build_act_fp8}
         if check:
@@ -41,6 +50,19 @@ class Kernels:
                         "sparse_attention": build_checked_sparse_attention,
                         "swa_ring_update": build_checked_swa_ring_update,
                         "act_fp8": build_checked_act_fp8}
-        if include_mhc:
+        if inexact:
             builders["mhc"] = build_checked_mhc if check else build_mhc
+            builders.update(_inexact_builders(check))
         return cls(True, **{name: build(metal_kernel) for name, build in builders.items()})
+
+
+def _inexact_builders(check: bool) -> dict:
+    """The fused kernels' builders (checked or not), by `Kernels` field."""
+    builders: dict = {}
+    # [norm]
+    # [router]
+    # [swiglu_act_fp8]
+    # [window_rows]
+    # [rope_products]
+    # [index_queries]
+    return builders

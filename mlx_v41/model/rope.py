@@ -64,6 +64,20 @@ class RoPE:
         theta = positions.astype(mx.float32)[:, None] * self.freqs[None, :]
         return mx.cos(theta), mx.sin(theta)
 
+    def cos_sin(self, positions):
+        """(cos, sin) [S, rope_dim / 2] fp32 for fused kernels that rotate in place of
+        `__call__`: `positions` an array, or (start, S) for contiguous rows (kept, like
+        `tables`, so every layer of a call shares them)."""
+        if isinstance(positions, mx.array):
+            return self.angles(positions)
+        key = (*positions, "angles")
+        if key not in self._tables:
+            if len(self._tables) >= TABLES_KEPT:
+                self._tables.pop(next(iter(self._tables)))
+            start, length = positions
+            self._tables[key] = self.angles(mx.arange(start, start + length))
+        return self._tables[key]
+
     def tables(self, positions, width: int, inverse: bool):
         """(C, S') [S, width / 2, 2] for rows of `width` channels; `positions` an array, or
         (start, S) for the contiguous rows start .. start + S - 1 (kept, as every layer of a

@@ -30,6 +30,7 @@ class Kernels:
     window_rows: Optional[Callable] = None     # kernels/window_rows.py: ring rows + new rows -> window
     rope_products: Optional[Callable] = None   # kernels/rope_products.py: bf16(products) -> RoPE
     index_queries: Optional[Callable] = None   # kernels/index_queries.py: RoPE -> fp4_e8m0 qdq
+    mhc_expand: Optional[Callable] = None      # kernels/mhc.py: expand, then the next side's mixes
     host_sinkhorn: bool = True  # a few tokens' mHC Sinkhorn in NumPy on the CPU (same bits)
 
     @classmethod
@@ -65,4 +66,6 @@ def _inexact_builders(check: bool) -> dict:
     # [window_rows]
     # [rope_products]
     # [index_queries]
+    from .mhc import build_checked_mhc_expand, build_mhc_expand
+    builders["mhc_expand"] = build_checked_mhc_expand if check else build_mhc_expand
     return builders

@@ -179,7 +179,7 @@ def build_mhc(metal_kernel=None):
     simulator)."""
     kernel = build_kernel("v41_mhc", ["streams", "fn", "base", "scale", "iters", "eps",
                                       "norm_eps"], ["pre", "post", "comb"], "mhc.metal",
-                          factory=metal_kernel)
+                          header_files=("mhc.h",), factory=metal_kernel)
 
     def run(streams, fn, base, scale, iters, eps, norm_eps):
         *lead, n, dim = streams.shape
@@ -199,6 +199,94 @@ def build_mhc(metal_kernel=None):
 
     run.kernel = kernel  # the factory's kernel object (tests read its generated text)
     return run
+
+
+def mhc_expand_ops(y, residual, post, comb, fn, base, scale, iters: int, eps: float,
+                   norm_eps: float, host: bool = False):
+    """Reference: the previous side's `expand_pair` (model/mhc.py), then `mhc_ops` of its
+    copies -> (streams [B, S, n, D] bf16, pre, post, comb)."""
+    from ..model.mhc import expand_pair  # the model's expand (model/mhc.py imports this module)
+
+    streams, streams32, squares = expand_pair(y, residual, post, comb)
+    return (streams, *mhc_ops(streams32, fn, base, scale, iters, eps, norm_eps, squares,
+                              host=host))
+
+
+def build_mhc_expand(metal_kernel=None):
+    """The expand-then-mix kernel as `run(y, residual, post, comb, fn, base, scale, iters, eps,
+    norm_eps)` -> (streams, pre, post, comb), built from metal/mhc_expand.metal."""
+    kernel = build_kernel("v41_mhc_expand", ["y", "residual", "hc_post", "hc_comb", "fn", "base",
+                                             "scale", "iters", "eps", "norm_eps"],
+                          ["streams", "pre", "post", "comb"], "mhc_expand.metal",
+                          header_files=("mhc.h",), factory=metal_kernel)
+
+    def run(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps):
+        *lead, n, dim = residual.shape
+        tokens = 1
+        for size in lead:
+            tokens *= size
+        if y.dtype not in (mx.float32, mx.bfloat16):
+            raise TypeError(f"mhc_expand: y must be float32 products or bfloat16, got {y.dtype}")
+        streams, pre, post_out, comb_out = kernel(
+            inputs=[y.reshape(tokens, dim), residual.reshape(tokens, n, dim).astype(mx.bfloat16),
+                    post.reshape(tokens, n).astype(mx.float32),
+                    comb.reshape(tokens, n, n).astype(mx.float32), fn.astype(mx.float32),
+                    base.astype(mx.float32), device_buffer(scale), int(iters), float(eps),
+                    float(norm_eps)],
+            template=[("N", n), ("THREADS", THREADS)], grid=(THREADS, tokens, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(tokens, n, dim), (tokens, n), (tokens, n), (tokens, n, n)],
+            output_dtypes=[mx.bfloat16] + [mx.float32] * 3)
+        return (streams.reshape(*lead, n, dim), pre.reshape(*lead, n),
+                post_out.reshape(*lead, n), comb_out.reshape(*lead, n, n))
+
+    run.kernel = kernel
+    return run
+
+
+def _probe_expand(run, ops) -> None:
+    """Two tokens of 4 copies of 64 channels, y as fp32 products: the copies within one bf16
+    ulp (the kernel's multiply-adds may round once where the ops round twice), the mixes
+    within the mHC kernel's tolerance."""
+    wave = lambda n, f: mx.sin(mx.arange(n, dtype=mx.float32) * f)  # noqa: E731
+    residual = (wave(2 * 4 * 64, 0.31) * 3).reshape(1, 2, 4, 64).astype(mx.bfloat16)
+    comb = mx.softmax(wave(2 * 16, 0.9).reshape(1, 2, 4, 4), axis=-1)
+    args = (wave(2 * 64, 0.23).reshape(1, 2, 64) * 2, residual,
+            mx.sigmoid(wave(8, 0.5)).reshape(1, 2, 4) * 2, comb,
+            wave(24 * 256, 0.017).reshape(24, 256) * 0.1, wave(24, 0.7),
+            mx.array([0.9, 1.3, 2.1]), 20, 1e-6, 1e-6)
+    got, want = run(*args), ops(*args)
+    assert_close("mhc_expand streams", got[0], want[0], 2.0 ** -8)
+    for name, g, w in zip(("pre", "post", "comb"), got[1:], want[1:]):
+        assert_close(f"mhc_expand {name}", g, w, CHECK_TOLERANCE)
+
+
+def build_checked_mhc_expand(metal_kernel=None):
+    """`build_mhc_expand(metal_kernel)` if it passes its self-check, else `mhc_expand_ops`."""
+    return verified("v41_mhc_expand", lambda: build_mhc_expand(metal_kernel), _probe_expand,
+                    mhc_expand_ops)
+
+
+@functools.cache
+def _metal_expand_run():
+    return build_checked_mhc_expand()
+
+
+def mhc_expand(y, residual, post, comb, fn, base, scale, iters: int, eps: float,
+               norm_eps: float, use_kernel: bool = True, run=None, host: bool = True):
+    """`expand_pair(y, residual, post, comb)` (the previous side's `hc_post`), then `mhc` of
+    the copies it makes: one Metal launch per call where the kernel applies (`run`, or Metal
+    with `use_kernel`), the two as today otherwise (the same bits).
+
+    Returns:
+        (streams [B, S, n, D] bf16, pre [B, S, n], post [B, S, n], comb [B, S, n, n] fp32).
+    """
+    if run is not None:
+        return run(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps)
+    if not use_kernel or not metal_applies() or residual.size == 0 or residual.ndim < 3:
+        return mhc_expand_ops(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps,
+                              host=host)
+    return _metal_expand_run()(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps)
 
 
 def _probe(run, ops) -> None:

@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import Kernels
-from ..kernels.mhc import along, chain_sum, mhc
+from ..kernels.builder import metal_applies
+from ..kernels.mhc import along, chain_sum, mhc, mhc_expand
 
 
 class HyperConnection(nn.Module):
@@ -38,6 +39,18 @@ class HyperConnection(nn.Module):
         return mhc(streams, self.fn, self.base, self.scale, self._iters, self._eps,
                    self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32,
                    squares=squares, host=kernels.host_sinkhorn)
+
+    def after_expand(self, y: mx.array, residual: mx.array, post: mx.array, comb: mx.array,
+                     kernels: Optional[Kernels] = None):
+        """The previous side's `expand_pair(y, residual, post, comb)`, then this side's mixes
+        of the copies it makes -> (streams, pre, post, comb): one launch where the fused
+        kernel applies (kernels/mhc.py `mhc_expand`), the two steps as before otherwise."""
+        kernels = kernels or Kernels()
+        if kernels.mhc_expand is not None or (kernels.use and metal_applies()):
+            return mhc_expand(y, residual, post, comb, self.fn, self.base, self.scale,
+                              self._iters, self._eps, self._norm_eps, run=kernels.mhc_expand)
+        streams, streams32, squares = expand_pair(y, residual, post, comb)
+        return (streams, *self(streams, kernels, streams32, squares))
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:

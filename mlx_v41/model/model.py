@@ -24,7 +24,7 @@ from .dspark import DSpark
 from .engram import Engram
 from .engram_hash import EngramHasher
 from .layers import HEAD_DTYPES, RMSNorm, head_logits
-from .mhc import HyperConnection, collapse, expand, expand_pair
+from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
 from .prefill import PREFILL_MODES, run_forward
 from .schedule import decoder_start, layer_roles
@@ -67,9 +67,9 @@ class Block(nn.Module):
         u = self.attention_input(streams, pre_in)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
-        streams, streams32, squares = expand_pair(
-            self.self_attn(u, state, cache, n_out, products=True), streams, a_post, a_comb)
-        f_pre, f_post, f_comb = self.ffn_hc(streams, state.kernels, streams32, squares)
+        streams, f_pre, f_post, f_comb = self.ffn_hc.after_expand(
+            self.self_attn(u, state, cache, n_out, products=True), streams, a_post, a_comb,
+            state.kernels)
         u, u32 = self.post_attention_layernorm.pair(collapse(streams, a_pre))
         u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
                      state.kernels)

@@ -15,9 +15,15 @@ from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8_ops
 from mlx_v41.kernels.fp4_pack import build_checked_fp4_pack, fp4_pack_ops
+from mlx_v41.kernels.index_queries import index_queries_ops
 from mlx_v41.kernels.mhc import mhc_expand_ops, mhc_ops
+from mlx_v41.kernels.norm import norm_ops
+from mlx_v41.kernels.rope_products import rope_products_ops
+from mlx_v41.kernels.router import router_ops
 from mlx_v41.kernels.sparse_attention import sparse_attention_ops
 from mlx_v41.kernels.swa_ring import swa_ring_update_ops
+from mlx_v41.kernels.swiglu import swiglu_act_fp8_ops
+from mlx_v41.kernels.window_rows import window_rows_ops
 from tests.metal_sim import SimOptions, metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -28,6 +34,12 @@ OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
        "v41_swa_ring_update": ("swa_ring_update", swa_ring_update_ops),
        "v41_mhc": ("mhc", mhc_ops),
        "v41_mhc_expand": ("mhc_expand", mhc_expand_ops),
+       "v41_norm": ("norm", norm_ops),
+       "v41_window_rows": ("window_rows", window_rows_ops),
+       "v41_rope_products": ("rope_products", rope_products_ops),
+       "v41_index_queries": ("index_queries", index_queries_ops),
+       "v41_router": ("router", router_ops),
+       "v41_swiglu_act_fp8": ("swiglu_act_fp8", swiglu_act_fp8_ops),
        "v41_act_fp8": ("act_fp8", act_fp8_ops)}
 
 

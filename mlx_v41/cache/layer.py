@@ -22,6 +22,7 @@ import numpy as np
 from ..kernels import Kernels
 from ..kernels.fp4_pack import fp4_pack
 from ..kernels.swa_ring import swa_ring_update
+from ..kernels.window_rows import recent_rows, window_rows
 from ..model.quant import unpack_fp8_e8m0
 
 GROW_STEP = 256  # rows added when a compressed cache fills
@@ -68,11 +69,22 @@ class WindowRing:
 
     def recent(self, position: int) -> Optional[mx.array]:
         """Decoded rows of positions [position - n, position), n = min(position, window - 1)."""
-        n = min(position, self.window - 1)
-        if n == 0 or self.rows is None:
-            return None
-        slots = mx.array(np.arange(position - n, position) % self.capacity)  # host: no ops
-        return unpack_fp8_e8m0(mx.take(self.rows, slots, axis=1))
+        n = self._held_before(position)
+        return None if n == 0 else recent_rows(self.rows, position, n)
+
+    def with_recent(self, values: mx.array, position: int, keep: int,
+                    kernels: Optional[Kernels] = None) -> mx.array:
+        """The last `keep` rows of `recent(position)` followed by `values` [B, S, d] (bf16
+        window KV of positions [position, position + S)): the window an attention call reads,
+        in one Metal launch where `kernels` apply (kernels/window_rows.py)."""
+        n = self._held_before(position)
+        k = kernels or Kernels()
+        return window_rows(self.rows, values, position, n, max(0, n + values.shape[1] - keep),
+                           use_kernel=k.use, run=k.window_rows)
+
+    def _held_before(self, position: int) -> int:
+        """How many rows before `position` a window reads from the ring (0: none held)."""
+        return 0 if self.rows is None else min(position, self.window - 1)
 
     def rows_at(self, positions: mx.array) -> mx.array:
         """Decoded rows [B, n, d] of the given held positions, in the given order."""

@@ -80,7 +80,8 @@ class ShardedMoE(MoE):
     one reduction of [routed sum, shared products]."""
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None, record=None,
-                 x32: Optional[mx.array] = None, kernels=None):
+                 x32: Optional[mx.array] = None, kernels=None,
+                 x_fp8: Optional[mx.array] = None):
         batch, length, dim = x.shape
         ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
         if record is not None:
@@ -90,7 +91,8 @@ class ShardedMoE(MoE):
         mine = (ids >= self.first_expert) & (ids < self.first_expert + count)
         local = mx.where(mine, ids - self.first_expert, 0)
         weights = mx.where(mine, weights, 0.0)
-        flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels)
+        flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels) \
+            if x_fp8 is None else x_fp8.reshape(-1, dim)
         partial = mx.stack([self.routed_sum(flat, local, weights, kernels),
                             self.shared_experts(x, flat, kernels)])
         routed, shared = self.link.reduce(partial)

@@ -13,6 +13,7 @@ from .fp4_pack import build_checked_fp4_pack, build_fp4_pack
 from .mhc import build_checked_mhc, build_mhc
 from .sparse_attention import build_checked_sparse_attention, build_sparse_attention
 from .swa_ring import build_checked_swa_ring_update, build_swa_ring_update
+from .window_rows import build_checked_window_rows, build_window_rows
 
 
 @dataclass
@@ -45,12 +46,14 @@ class Kernels:
         of the exact kernels through the simulator are not lost in the chaotic model's
         amplification of a last-bit difference."""
         builders = {"fp4_pack": build_fp4_pack, "sparse_attention": build_sparse_attention,
-                    "swa_ring_update": build_swa_ring_update, "act_fp8": build_act_fp8}
+                    "swa_ring_update": build_swa_ring_update, "act_fp8": build_act_fp8,
+                    "window_rows": build_window_rows}
         if check:
             builders = {"fp4_pack": build_checked_fp4_pack,
                         "sparse_attention": build_checked_sparse_attention,
                         "swa_ring_update": build_checked_swa_ring_update,
-                        "act_fp8": build_checked_act_fp8}
+                        "act_fp8": build_checked_act_fp8,
+                        "window_rows": build_checked_window_rows}
         if inexact:
             builders["mhc"] = build_checked_mhc if check else build_mhc
             builders.update(_inexact_builders(check))
@@ -60,12 +63,17 @@ class Kernels:
 def _inexact_builders(check: bool) -> dict:
     """The fused kernels' builders (checked or not), by `Kernels` field."""
     builders: dict = {}
-    # [norm]
-    # [router]
-    # [swiglu_act_fp8]
-    # [window_rows]
-    # [rope_products]
-    # [index_queries]
+    from .norm import build_checked_norm, build_norm
+    builders["norm"] = build_checked_norm if check else build_norm
+    from .router import build_checked_router, build_router
+    builders["router"] = build_checked_router if check else build_router
+    from .swiglu import build_checked_swiglu_act_fp8, build_swiglu_act_fp8
+    builders["swiglu_act_fp8"] = build_checked_swiglu_act_fp8 if check else build_swiglu_act_fp8
+    # [window_rows]: bit-exact, built with the exact kernels in `Kernels.build`
+    from .rope_products import build_checked_rope_products, build_rope_products
+    builders["rope_products"] = build_checked_rope_products if check else build_rope_products
+    from .index_queries import build_checked_index_queries, build_index_queries
+    builders["index_queries"] = build_checked_index_queries if check else build_index_queries
     from .mhc import build_checked_mhc_expand, build_mhc_expand
     builders["mhc_expand"] = build_checked_mhc_expand if check else build_mhc_expand
     return builders

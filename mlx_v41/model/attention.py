@@ -19,6 +19,8 @@ from .indexer import Indexer
 from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows, round_act_fp8
+from ..kernels.norm import norm, uses_norm_kernel
+from ..kernels.rope_products import rope_of_products
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
 from .quant import unpack_fp4_e8m0
 from .rope import shared_rope
@@ -84,26 +86,41 @@ class Attention(nn.Module):
         self.pool_blocks, self.pool_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
 
     def __call__(self, x: mx.array, ctx: ForwardState, cache: LayerCache,
-                 n_out: Optional[int] = None, products: bool = False) -> mx.array:
+                 n_out: Optional[int] = None, products: bool = False,
+                 prepared: Optional[mx.array] = None) -> mx.array:
         """x [B, n_in, D]: attention inputs of the last n_in positions of the call. All n_in
         rows get window KV; only the last `n_out` rows (default all) are queries. Output bf16,
         or with `products` the fp32 products of `o_b_proj` before that rounding (`expand`
-        rounds them in its own fused kernel)."""
+        rounds them in its own fused kernel). `prepared`: x's act_fp8 (fp32) when the caller
+        has it (the fused attention-input norm), else computed here."""
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
-        xq = self.kv_proj.prepare(x, kernels=ctx.kernels)  # q_a_proj reads the same input
-        kv = self.rope(self.kv_norm.of_products(self.kv_proj.matmul(xq)), ctx.end - n_in)
-        kv = round_act_fp8(kv, kernels=ctx.kernels)
+        k = ctx.kernels
+        fused = uses_norm_kernel(k)  # norm [-> RoPE] -> act_fp8 in one launch (kernels/norm.py)
+        xq = self.kv_proj.prepare(x, kernels=k) if prepared is None else prepared  # q_a's too
+        if fused:
+            kv, = norm(self.kv_proj.matmul(xq), self.kv_norm.weight, self.kv_norm.eps,
+                       products=True, rope=self.rope, positions=ctx.end - n_in,
+                       outputs=("fp8",), fp8_dtype=mx.bfloat16, use_kernel=k.use, run=k.norm)
+        else:
+            kv = self.rope(self.kv_norm.of_products(self.kv_proj.matmul(xq)), ctx.end - n_in)
+            kv = round_act_fp8(kv, kernels=ctx.kernels)
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
             self.compress(x, ctx)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
-        qr = self.q_a_norm.of_products(self.q_a_proj.matmul(xq[:, n_in - n_out:]))
-        q = self.q_b_proj(qr, ctx.kernels).reshape(batch, n_out, self.heads, self.head_dim)
-        q = self.rope(q, pos)
-        packed, rows = self._packed_rows(x, qr, ctx)
+        qr = self.q_a_proj.matmul(xq[:, n_in - n_out:])
+        if fused:
+            qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
+                              outputs=("y", "fp8"), use_kernel=k.use, run=k.norm)
+        else:
+            qr = self.q_a_norm.of_products(qr)
+            qr_fp8 = self.q_b_proj.prepare(qr, kernels=k)  # the indexer's q_b reads it too
+        q = self.q_b_proj.matmul(qr_fp8).reshape(batch, n_out, self.heads, self.head_dim)
+        q = rope_of_products(self.rope, q, pos, k)  # bf16 rounding and RoPE (one launch)
+        packed, rows = self._packed_rows(x, qr, qr_fp8, ctx)
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
                                self.window, use_kernel=ctx.kernels.use,
                                run=ctx.kernels.sparse_attention)
@@ -119,27 +136,26 @@ class Attention(nn.Module):
         """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows
         up to P + s. Rows before the call come from the ring, unless the call's first rows
         were skipped (then no query needs them) or the window is truncated (bounded replay)."""
-        first = ctx.end - kv.shape[1]
-        recent = None
+        first, keep = ctx.end - kv.shape[1], n_out + self.window - 1
         if first == ctx.start and not ctx.truncate_window:
-            recent = cache.window.recent(first)
-        rows = kv if recent is None else mx.concatenate([recent, kv], axis=1)
-        return rows[:, max(0, rows.shape[1] - n_out - self.window + 1):]
+            return cache.window.with_recent(kv, first, keep, ctx.kernels)
+        return kv[:, max(0, kv.shape[1] - keep):]
 
-    def _packed_rows(self, x, qr, ctx: ForwardState):
+    def _packed_rows(self, x, qr, qr_fp8, ctx: ForwardState):
         """The kv owner's packed rows [B, T, bytes] and this layer's selection [B, n, k]."""
         batch, n = x.shape[:2]
         if self.role.ratio == 0:
             return mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8), \
                 mx.zeros((batch, n, 0), mx.int32)
         owner = ctx.shared[self.role.kv_owner].store
-        rows = self._global_rows(x, qr, ctx)
+        rows = self._global_rows(x, qr, qr_fp8, ctx)
         packed = owner.packed_rows() if owner.count else \
             mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8)
         return packed, rows
 
-    def _global_rows(self, x, qr, ctx: ForwardState) -> mx.array:
-        """Selected compressed rows [B, n, k] of the owner's cache for the n query rows."""
+    def _global_rows(self, x, qr, qr_fp8, ctx: ForwardState) -> mx.array:
+        """Selected compressed rows [B, n, k] of the owner's cache for the n query rows
+        (`qr_fp8`: qr's act_fp8, the index queries' projection input)."""
         role, n = self.role, x.shape[1]
         shared = ctx.shared[role.kv_owner]
         if not role.has_indexer:
@@ -155,7 +171,8 @@ class Attention(nn.Module):
                 pool = Pool(self.pool_block, member=shared.pool[:, -n:])
             picked = select_rows(self.indexer, self.rope, x, qr, self._index_keys(ctx, owner),
                                  ctx.end - n, role.ratio, self.topk, SCORE_BLOCK_ELEMENTS, pool,
-                                 keep_scores=ctx.capture is not None, kernels=ctx.kernels)
+                                 keep_scores=ctx.capture is not None, kernels=ctx.kernels,
+                                 qr_fp8=qr_fp8)
             rows = picked.rows
             if picked.member is not None:
                 shared.pool = picked.member

@@ -41,17 +41,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _compiled_rms_norm(self.eps, False)(x, self.weight)
+        return rms_norm(x, self.weight, self.eps)
 
     def pair(self, x: mx.array):
         """(the norm in bf16, the same values in fp32) from one fused kernel, for a block
         whose readers take both."""
-        return _compiled_rms_norm_pair(self.eps)(x, self.weight)
+        return rms_norm_pair(x, self.weight, self.eps)
 
     def of_products(self, x: mx.array) -> mx.array:
         """The norm of bf16(x) for fp32 projection products x (`QuantLinear.matmul`): the
         output rounding runs inside the norm's fused kernels instead of as a kernel of its own."""
-        return _compiled_rms_norm(self.eps, True)(x, self.weight)
+        return rms_norm(x, self.weight, self.eps, is_products=True)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float, is_products: bool = False) -> mx.array:
+    """`RMSNorm` with its weight given (compiled per eps); `is_products` as in `of_products`."""
+    return _compiled_rms_norm(eps, is_products)(x, weight)
+
+
+def rms_norm_pair(x: mx.array, weight: mx.array, eps: float):
+    """`RMSNorm.pair` with its weight given: (bf16 norm, its fp32 copy)."""
+    return _compiled_rms_norm_pair(eps)(x, weight)
 
 
 def _rms_norm(x: mx.array, weight: mx.array, eps: float, is_products: bool) -> mx.array:

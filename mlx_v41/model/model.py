@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from ..cache.layer import LayerCache, rollback_limit
 from ..kernels import Kernels
+from ..kernels.norm import norm, uses_norm_kernel
 from .attention import Attention
 from .config import ModelArgs, TextConfig
 from .dspark import DSpark
@@ -64,15 +65,15 @@ class Block(nn.Module):
             rows = state.engram_rows[:, -n_in:, self.role.engram_index]
             streams = self.engram(streams, rows, state.image_positions(n_in), state.kernels)
             state.record(f"layers.{self.role.layer}.engram_out", streams)
-        u = self.attention_input(streams, pre_in)
+        u, prepared = self.attention_input_prepared(streams, pre_in, state.kernels)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
         streams, f_pre, f_post, f_comb = self.ffn_hc.after_expand(
-            self.self_attn(u, state, cache, n_out, products=True), streams, a_post, a_comb,
-            state.kernels)
-        u, u32 = self.post_attention_layernorm.pair(collapse(streams, a_pre))
+            self.self_attn(u, state, cache, n_out, products=True, prepared=prepared), streams,
+            a_post, a_comb, state.kernels)
+        u, u32, u_fp8 = self.ffn_input(streams, a_pre, state.kernels)
         u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
-                     state.kernels)
+                     state.kernels, x_fp8=u_fp8)
         streams = expand(u, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)
@@ -100,6 +101,25 @@ class Block(nn.Module):
     def attention_input(self, streams, pre_in):
         """`attn_norm(hc_pre(X, pre of the previous block))` (the single-pass shift)."""
         return self.input_layernorm(collapse(streams, pre_in))
+
+    def attention_input_prepared(self, streams, pre_in, kernels: Kernels):
+        """`attention_input` and, where the fused norm kernel applies (one launch for the
+        chain, kernels/norm.py), its act_fp8 (fp32: the projections' prepared input); else
+        None, and the projections round it themselves."""
+        if not uses_norm_kernel(kernels):
+            return self.attention_input(streams, pre_in), None
+        rms = self.input_layernorm
+        return norm(streams, rms.weight, rms.eps, pre=pre_in, outputs=("y", "fp8"),
+                    use_kernel=kernels.use, run=kernels.norm)
+
+    def ffn_input(self, streams, a_pre, kernels: Kernels):
+        """`ffn_norm(hc_pre(X, pre))` in bf16 and fp32 (the router reads fp32) and, where the
+        fused norm kernel applies, its act_fp8 (fp32: the experts' input; else None)."""
+        rms = self.post_attention_layernorm
+        if not uses_norm_kernel(kernels):
+            return (*rms.pair(collapse(streams, a_pre)), None)
+        return norm(streams, rms.weight, rms.eps, pre=a_pre, outputs=("y", "y32", "fp8"),
+                    use_kernel=kernels.use, run=kernels.norm)
 
 
 class TextModel(nn.Module):
@@ -136,6 +156,10 @@ class TextModel(nn.Module):
         for k, (layer, c) in enumerate(zip(layers, cache[self.decoder_start:])):
             n_in, n_out = (streams.shape[1],) * 2 if halo is None else halo[k]
             streams, pre = layer(streams[:, -n_in:], pre[:, -n_in:], state, c, n_out)
+        if uses_norm_kernel(state.kernels):  # collapse and norm in one launch
+            hidden, = norm(streams, self.norm.weight, self.norm.eps, pre=pre,
+                           use_kernel=state.kernels.use, run=state.kernels.norm)
+            return hidden
         return self.norm(collapse(streams, pre))
 
 

@@ -3,7 +3,10 @@ clamped SwiGLU, and one shared FP8 expert (official inference/model.py L792–90
 positions choose their experts with `bias_vl` instead of `bias`.
 
 Routed weights multiply the SwiGLU activation before `w2` (reference order, which also decides
-what `w2`'s FP8 input rounding sees).
+what `w2`'s FP8 input rounding sees). On the Metal path the router's selection after its
+matmul and each expert's SwiGLU + act_fp8 are one fused kernel each (kernels/router.py,
+kernels/swiglu.py); the routed sum and the shared expert's add are one compiled kernel on
+every path.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import Kernels
+from ..kernels.builder import metal_applies
+from ..kernels.mhc import along, chain_sum
+from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
+from ..kernels.swiglu import compiled_swiglu_of_products, swiglu, swiglu_act_fp8
 from .layers import QuantLinear, allocate_quantized, batch_rows, round_act_fp8
 
-SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
 SORT_THRESHOLD = 64  # below this many (token, expert) pairs, gathering unsorted is cheaper
-ROUTER_EPS = 1e-20
 
 
 class Router(nn.Module):
@@ -36,36 +42,17 @@ class Router(nn.Module):
         ids, weights = self.select(x, image_mask)
         return ids.astype(mx.int32), weights
 
-    def select(self, x: mx.array, image_mask: Optional[mx.array] = None):
+    def select(self, x: mx.array, image_mask: Optional[mx.array] = None,
+               kernels: Optional[Kernels] = None):
         """As `__call__`, with the ids uint32 (argpartition's dtype, the one gather_qmm
-        takes): the experts need no index cast."""
-        logits = x.astype(mx.float32) @ self.weight.T
-        bias = self.e_score_correction_bias
-        if image_mask is not None:
-            bias = mx.where(image_mask[..., None], self.bias_vl, bias)
-        scores, negated = _scores_and_negated_biased(logits, bias)
-        ids = mx.argpartition(negated, self.top_k - 1, axis=-1)[..., :self.top_k]
-        weights = mx.take_along_axis(scores, ids, axis=-1)
-        total = mx.sum(weights, axis=-1, keepdims=True)
-        return ids, _normalised(weights, total, self.route_scale)
-
-
-@mx.compile
-def _sqrt_softplus(logits: mx.array) -> mx.array:
-    return mx.sqrt(mx.where(logits > SOFTPLUS_THRESHOLD, logits, mx.logaddexp(logits, 0.0)))
-
-
-@mx.compile
-def _scores_and_negated_biased(logits: mx.array, bias: mx.array):
-    """sqrt(softplus(logits)) and -(it + bias), argpartition's key, from one fused kernel
-    (apart: the scores' kernel, an add and a negation)."""
-    scores = _sqrt_softplus(logits)
-    return scores, -(scores + bias)
-
-
-@functools.partial(mx.compile, shapeless=True)
-def _normalised(weights: mx.array, total: mx.array, scale) -> mx.array:
-    return weights / (total + ROUTER_EPS) * scale
+        takes): the experts need no index cast. `kernels`: the model's (where they apply,
+        the same logits matmul, then the router kernel: its ids in another order, its weights
+        to a few ulps; see kernels/router.py); without them, the ops."""
+        args = (x, self.weight, self.e_score_correction_bias, self.bias_vl, image_mask,
+                self.top_k, self.route_scale)
+        if kernels is None:
+            return router_ops(*args)
+        return router(*args, use_kernel=kernels.use, run=kernels.router)
 
 
 class SwitchLinear(nn.Module):
@@ -92,29 +79,22 @@ def clamped_swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
     return _compiled_swiglu(limit)(gate, up)
 
 
-def _swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
-    gate = mx.minimum(gate.astype(mx.float32), limit)
-    up = mx.clip(up.astype(mx.float32), -limit, limit)
-    return gate * mx.sigmoid(gate) * up
-
-
 @functools.cache
 def _compiled_swiglu(limit: float):
-    return mx.compile(functools.partial(_swiglu, limit=limit))
+    return mx.compile(functools.partial(swiglu, limit=limit))
 
 
-def _swiglu_of_products(gate: mx.array, up: mx.array, weights, limit: float) -> mx.array:
-    """bf16 of the (weighted) SwiGLU of fp32 projection products, each rounded to bf16 first
-    as the projections' outputs are: one fused kernel from the two matmuls to the next."""
-    act = _swiglu(gate.astype(mx.bfloat16), up.astype(mx.bfloat16), limit)
-    return (act if weights is None else act * weights).astype(mx.bfloat16)
-
-
-@functools.cache
-def _compiled_swiglu_of_products(limit: float, weighted: bool):
-    if weighted:
-        return mx.compile(functools.partial(_swiglu_of_products, limit=limit))
-    return mx.compile(lambda gate, up: _swiglu_of_products(gate, up, None, limit))
+def down_input(gate: mx.array, up: mx.array, weights: Optional[mx.array], limit: float,
+               kernels: Optional[Kernels] = None) -> mx.array:
+    """The down projection's fp32 input from the gate / up fp32 products: act_fp8 of the bf16
+    (weighted) SwiGLU. One fused launch where the swiglu_act_fp8 kernel applies; otherwise
+    the compiled SwiGLU, then act_fp8 (its kernel where `kernels` apply)."""
+    k = kernels or Kernels()
+    if k.swiglu_act_fp8 is not None or (k.use and metal_applies()):
+        return swiglu_act_fp8(gate, up, weights, limit, use_kernel=k.use, run=k.swiglu_act_fp8)
+    swiglu_fn = compiled_swiglu_of_products(limit, weights is not None)
+    act = swiglu_fn(gate, up) if weights is None else swiglu_fn(gate, up, weights)
+    return round_act_fp8(act, mx.float32, kernels=k)
 
 
 class SwitchMLP(nn.Module):
@@ -128,25 +108,23 @@ class SwitchMLP(nn.Module):
     def __call__(self, x, ids, weights, kernels=None):
         """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D]: fp32
         products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them).
-        `kernels`: the model's (the act_fp8 kernel where they apply)."""
+        `kernels`: the model's (the fused SwiGLU + act_fp8 or the act_fp8 kernel where they
+        apply)."""
         tokens, k = ids.shape
         ids = ids.astype(mx.uint32)  # gather_qmm's index dtype (a no-op for `Router.select`'s)
-        swiglu = _compiled_swiglu_of_products(self.limit, True)
         if tokens * k < SORT_THRESHOLD:
             rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
-            act = swiglu(self.gate_proj.matmul(rows, ids), self.up_proj.matmul(rows, ids),
-                         weights[..., None, None])
-            act = round_act_fp8(act, mx.float32, kernels=kernels)
+            act = down_input(self.gate_proj.matmul(rows, ids), self.up_proj.matmul(rows, ids),
+                             weights[..., None, None], self.limit, kernels)
             return self.down_proj.matmul(act, ids).squeeze(-2)
         flat_ids = ids.reshape(-1)
         order = mx.argsort(flat_ids)
         inverse = mx.argsort(order)
         rows = mx.expand_dims(x, -2)[order // k]          # [T*k, 1, D] grouped by expert
         sorted_ids = flat_ids[order]
-        act = swiglu(self.gate_proj.matmul(rows, sorted_ids, True),
-                     self.up_proj.matmul(rows, sorted_ids, True),
-                     weights.reshape(-1)[order][:, None, None])
-        act = round_act_fp8(act, mx.float32, kernels=kernels)
+        act = down_input(self.gate_proj.matmul(rows, sorted_ids, True),
+                         self.up_proj.matmul(rows, sorted_ids, True),
+                         weights.reshape(-1)[order][:, None, None], self.limit, kernels)
         out = self.down_proj.matmul(act, sorted_ids, True)
         return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
 
@@ -163,9 +141,9 @@ class SharedExpert(nn.Module):
         """fp32 products of `down_proj`, before its bf16 rounding. `prepared`: x already
         act_fp8-rounded (the routed experts' input, shared)."""
         xq = self.gate_proj.prepare(x, kernels=kernels) if prepared is None else prepared
-        swiglu = _compiled_swiglu_of_products(self.limit, False)
-        act = swiglu(self.gate_proj.matmul(xq), self.up_proj.matmul(xq))
-        return self.down_proj.matmul(self.down_proj.prepare(act, kernels=kernels))
+        act = down_input(self.gate_proj.matmul(xq), self.up_proj.matmul(xq), None, self.limit,
+                         kernels)  # `down_proj.prepare`'s act_fp8, fused with the SwiGLU
+        return self.down_proj.matmul(act)
 
 
 class MoE(nn.Module):
@@ -178,19 +156,31 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None,
                  record: Optional[Callable] = None, x32: Optional[mx.array] = None,
-                 kernels=None) -> mx.array:
+                 kernels: Optional[Kernels] = None, x_fp8: Optional[mx.array] = None
+                 ) -> mx.array:
         """x [B, S, D] bf16; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
-        `gate.indices` and `gate.weights`; `x32`: x in fp32 if the caller has it (the router
-        reads fp32); `kernels`: the model's (the act_fp8 kernel where they apply)."""
+        `gate.indices` and `gate.weights` (from the router's ops); `x32`: x in fp32 if the
+        caller has it (the router reads fp32); `kernels`: the model's (the router, SwiGLU and
+        act_fp8 kernels where they apply); `x_fp8`: the act_fp8 of x as fp32 [B*S, D] if the
+        caller has it (the experts' input)."""
         batch, length, dim = x.shape
-        ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
-        if record is not None:
+        kernels = kernels or Kernels()
+        source = x if x32 is None else x32
+        if record is None:
+            ids, weights = self.gate.select(source, image_mask, kernels)
+        else:
+            ids, weights = self.gate.select(source, image_mask)
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
-        flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels)
-        total = self.routed_sum(flat, ids, weights, kernels)
+        if x_fp8 is None:
+            flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels)
+        else:
+            flat = x_fp8.reshape(-1, dim)
+        k = ids.shape[-1]
+        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k),
+                                         kernels)
         shared = self.shared_experts(x, flat, kernels)
-        return self.combine(total, shared).reshape(batch, length, dim)
+        return _routed_and_shared(routed, shared).reshape(batch, length, dim)
 
     def routed_sum(self, flat: mx.array, ids: mx.array, weights: mx.array,
                    kernels=None) -> mx.array:
@@ -216,3 +206,13 @@ def _bf16_rounded(x: mx.array) -> mx.array:
 @mx.compile
 def _add_shared(routed: mx.array, shared: mx.array) -> mx.array:
     return (routed + _bf16_rounded(shared)).astype(mx.bfloat16)
+
+
+@mx.compile
+def _routed_and_shared(routed: mx.array, shared: mx.array) -> mx.array:
+    """`combine(sum of bf16(routed) over the k experts, shared)` in one fused kernel: the sum
+    as a chain of adds from 0 over the experts in order, the bits of MLX's CPU reduction over
+    that axis (a lone expert: no add, as the reduction copies it). Each expert's slice is
+    rounded on its own, so the rounding fuses into the adds."""
+    parts = [_bf16_rounded(part.squeeze(1)) for part in along(routed, 1)]
+    return _add_shared(chain_sum(parts, 0.0 if len(parts) > 1 else None), shared)

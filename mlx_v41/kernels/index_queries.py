@@ -1,0 +1,102 @@
+"""Indexer queries from their projection's fp32 products: the bf16 rounding of the indexer's
+`q_b_proj` output, RoPE on the trailing `qk_rope_head_dim` channels of every head, then FP4
+E2M1 fake-quant with a power-of-two scale per 32 (official inference/model.py `Indexer.forward`:
+`fp4_act_quant` of the rotated queries).
+
+The ops (`index_queries_ops`: a cast, RoPE's fused rotation, the compiled `fp4_e8m0_qdq`) are 3
+to 4 launches per indexer layer; the Metal kernel (metal/index_queries.metal) is one, with the
+angles of `RoPE.cos_sin`. Its rotation makes the ops' fp32 products and sums and its
+quantisation is exact, so it equals the ops wherever the compiler keeps each product rounded on
+its own; a fused multiply-add may move a rotated value by one bf16 rounding, and the FP4
+rounding can turn that into one E2M1 step of its block's scale: CHECK_TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from ..model.quant import FP4_E8M0_BLOCK, fp4_e8m0_qdq
+from ..model.rope import RoPE
+from .builder import build_kernel, metal_applies, simd_threadgroup
+from .check import KernelMismatch, assert_close, verified
+from .rope_products import angles_of, applies, probe_input
+
+# Of the largest output: one E2M1 step (at most 2/3 of its block's largest value, between 4 s
+# and 6 s) that a fused multiply-add's bf16 rounding may flip, with a margin; through the
+# simulator the kernel equals the ops bit for bit.
+CHECK_TOLERANCE = 0.75
+CHECK_DIFFERING = 1 / 256  # most values of the self-check that may differ from the ops at all
+
+
+def index_queries_ops(products: mx.array, rope: RoPE, positions) -> mx.array:
+    """Reference: `fp4_e8m0_qdq(rope(bf16(products), positions))`, as `Indexer.queries`
+    computes them (pure MLX; arguments as in `index_queries`)."""
+    return fp4_e8m0_qdq(rope(products.astype(mx.bfloat16), positions))
+
+
+def build_index_queries(metal_kernel=None):
+    """The kernel as `run(products, rope, positions)`, built from metal/index_queries.metal with
+    `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
+    kernel = build_kernel("v41_index_queries", ["products", "cosines", "sines"], ["out"],
+                          "index_queries.metal",
+                          header_files=("v41_common.h", "attention_prep.h"),
+                          factory=metal_kernel)
+
+    def run(products: mx.array, rope: RoPE, positions) -> mx.array:
+        cos, sin = angles_of(rope, positions, products.shape[1])
+        out, = kernel(inputs=[products, cos, sin], grid=(products.size, 1, 1),
+                      threadgroup=(simd_threadgroup(products.size), 1, 1),
+                      output_shapes=[products.shape], output_dtypes=[mx.bfloat16])
+        return out
+
+    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
+    return run
+
+
+def _probe(run, ops) -> None:
+    """Products of 3 heads of 64 channels at 2 x 3 rows (a RoPE of 32 channels, rows from
+    position 7 on; one head all zero): within CHECK_TOLERANCE of the ops, and all but a few
+values (a fused multiply-add's flips) equal to them."""
+    rope = RoPE(32, 10000.0)
+    x = probe_input()
+    got, want = run(x, rope, 7), ops(x, rope, 7)
+    assert_close("index_queries", got, want, CHECK_TOLERANCE)
+    differing = (got != want).sum().item()
+    if differing > CHECK_DIFFERING * want.size:
+        raise KernelMismatch(f"index_queries: {differing} of {want.size} values differ from "
+                             "its ops")
+
+
+def build_checked_index_queries(metal_kernel=None):
+    """`build_index_queries(metal_kernel)` if it passes its self-check, else the ops."""
+    return verified("v41_index_queries", lambda: build_index_queries(metal_kernel), _probe,
+                    index_queries_ops)
+
+
+@functools.cache
+def _metal_run():
+    return build_checked_index_queries()
+
+
+def index_queries(products: mx.array, rope: RoPE, positions, use_kernel: bool = True,
+                  run=None) -> mx.array:
+    """FP4-rounded index queries from their projection's products.
+
+    Args:
+        products: [B, S, H, D] fp32 products of the indexer's `q_b_proj.matmul` (any float
+            dtype), D a multiple of 32.
+        rope: the layer's RoPE (rotates the last `rope.rope_dim` channels of each head).
+        positions: [S] absolute positions of axis 1, or the int position of its first row.
+        use_kernel: use the Metal kernel when it applies.
+        run: an already built kernel (`build_*(factory)`) to use where it applies, e.g. the
+            Metal simulator's in tests.
+    Returns:
+        [B, S, H, D] bf16, `index_queries_ops(products, rope, positions)` within
+        CHECK_TOLERANCE.
+    """
+    if ((run is None and (not use_kernel or not metal_applies()))
+            or not applies(products, rope, positions) or products.shape[-1] % FP4_E8M0_BLOCK):
+        return index_queries_ops(products, rope, positions)  # also its errors
+    return (run or _metal_run())(products, rope, positions)

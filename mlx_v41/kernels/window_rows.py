@@ -1,0 +1,111 @@
+"""Window rows of an attention call: the SWA ring's decoded rows of the positions just before the
+call, followed by the call's own new window KV rows, trimmed to what the queries read.
+
+The ops (`window_rows_ops`: a take of the ring slots, the FP8 + E8M0 decode, a concatenation and
+a slice) are 3 to 5 launches per layer; the Metal kernel (metal/window_rows.metal) reads the ring
+slots and the new rows in one launch. Decoding is exact, so its values equal the ops' bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from ..model.quant import ACT_FP8_BLOCK, unpack_fp8_e8m0
+from .builder import build_kernel, metal_applies, simd_threadgroup
+from .check import assert_equal, verified
+from .swa_ring import swa_ring_update_ops
+
+
+def recent_rows(ring: mx.array, position: int, count: int) -> mx.array:
+    """Decoded rows [B, count, D] bf16 of positions position - count .. position - 1 of a packed
+    ring [B, R, D + D/32] uint8 (slot = position mod R)."""
+    slots = mx.array(np.arange(position - count, position) % ring.shape[1])  # host: no ops
+    return unpack_fp8_e8m0(mx.take(ring, slots, axis=1))
+
+
+def window_rows_ops(ring: mx.array, rows: mx.array, position: int, count: int,
+                    skip: int) -> mx.array:
+    """Reference: the ring's `count` rows before `position`, then `rows`, from row `skip` on
+    (pure MLX; arguments as in `window_rows`)."""
+    if count:
+        rows = mx.concatenate([recent_rows(ring, position, count), rows], axis=1)
+    return rows[:, skip:]
+
+
+def build_window_rows(metal_kernel=None):
+    """The kernel as `run(ring, rows, position, count, skip)`, built from metal/window_rows.metal
+    with `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
+    kernel = build_kernel("v41_window_rows", ["ring", "rows", "position", "count", "skip"],
+                          ["out"], "window_rows.metal",
+                          header_files=("v41_common.h", "attention_prep.h"),
+                          factory=metal_kernel)
+
+    def run(ring: mx.array, rows: mx.array, position: int, count: int, skip: int) -> mx.array:
+        batch, fresh, width = rows.shape
+        shape = (batch, count + fresh - skip, width)
+        threads = shape[0] * shape[1] * width
+        out, = kernel(inputs=[ring, rows, int(position), int(count), int(skip)],
+                      grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
+                      output_shapes=[shape], output_dtypes=[mx.bfloat16])
+        return out
+
+    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
+    return run
+
+
+def _probe(run, ops) -> None:
+    """Five ring rows across the end of a ring of 8 (their scales 2^-22 .. 2^5), then two new
+    rows, the first row skipped: bytes equal to the ops'."""
+    values = mx.sin(mx.arange(8 * 64, dtype=mx.float32) * 0.37).reshape(1, 8, 64)
+    values = values * mx.power(2.0, mx.arange(-13, 14, 3, dtype=mx.float32)[:8, None])
+    ring = swa_ring_update_ops(mx.zeros((1, 8, 66), mx.uint8), values.astype(mx.bfloat16), 9)
+    rows = (mx.cos(mx.arange(2 * 64, dtype=mx.float32)) * 3).reshape(1, 2, 64)
+    rows = rows.astype(mx.bfloat16)
+    assert_equal("window_rows", run(ring, rows, 17, 5, 1), ops(ring, rows, 17, 5, 1))
+
+
+def build_checked_window_rows(metal_kernel=None):
+    """`build_window_rows(metal_kernel)` if it passes its self-check, else `window_rows_ops`."""
+    return verified("v41_window_rows", lambda: build_window_rows(metal_kernel), _probe,
+                    window_rows_ops)
+
+
+@functools.cache
+def _metal_run():
+    return build_checked_window_rows()
+
+
+def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip: int = 0,
+                use_kernel: bool = True, run=None) -> mx.array:
+    """The window rows an attention call reads.
+
+    Args:
+        ring: [B, R, D + D/32] uint8 packed window ring (kernels/swa_ring.py), slot = position
+            mod R; None while nothing is written (then count is 0).
+        rows: [B, S, D] bf16 window KV rows of positions position .. position + S - 1.
+        position: absolute position of rows[:, 0].
+        count: ring rows to read, those of positions position - count .. position - 1
+            (0 <= count <= min(position, R)).
+        skip: leading rows of the concatenation to leave out (0 <= skip <= count + S).
+        use_kernel: use the Metal kernel when it applies.
+        run: an already built kernel (`build_*(factory)`) to use where it applies, e.g. the
+            Metal simulator's in tests.
+    Returns:
+        [B, count + S - skip, D] bf16, identical to `window_rows_ops`.
+    """
+    capacity = 0 if ring is None else ring.shape[1]
+    if not 0 <= count <= min(position, capacity) or not 0 <= skip <= count + rows.shape[1]:
+        raise ValueError(f"window_rows: cannot read {count} ring rows before position "
+                         f"{position} (a ring of {capacity} slots) and leave out {skip} of "
+                         f"{count + rows.shape[1]} rows")
+    width = rows.shape[-1]
+    if ((run is None and (not use_kernel or not metal_applies())) or count == 0
+            or count + rows.shape[1] == skip or rows.ndim != 3 or rows.dtype != mx.bfloat16
+            or ring.dtype != mx.uint8 or ring.shape[0] != rows.shape[0]
+            or width % ACT_FP8_BLOCK or ring.shape[-1] != width + width // ACT_FP8_BLOCK):
+        return window_rows_ops(ring, rows, position, count, skip)  # also its errors
+    return (run or _metal_run())(ring, rows, position, count, skip)

@@ -1,0 +1,282 @@
+"""The attention-prep kernels through the Metal simulator (races and coverage checked) against
+their ops: window_rows (metal/window_rows.metal: the SWA ring's decoded rows + the call's new
+rows in one launch) bit for bit, as its decode is exact; rope_products (metal/rope_products.metal:
+bf16 rounding of the query products + RoPE) and index_queries (metal/index_queries.metal: the
+same + fp4_e8m0 fake-quant) within their stated tolerances (rope_products 2^-7, index_queries
+0.75 of the largest value with at most 1/256 of the values differing: what a fused multiply-add
+on the GPU may flip). Measured through the simulator, which keeps each product rounded: an error
+of 0 on every case below, ties, bf16 rounding ties of the products, E2M1 midpoints, scale edges,
+subnormals and zero blocks included, so these tests ask for the ops' bits. Then the self-checks'
+fallback, and the tiny golden model with the kernels against its ops: the same logits (measured
+difference 0) over a two-chunk prefill and two decode steps."""
+
+import functools
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_v41
+from conftest import golden_checkpoint
+from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.index_queries import (CHECK_TOLERANCE as INDEX_TOLERANCE,
+                                           build_checked_index_queries, build_index_queries,
+                                           index_queries, index_queries_ops)
+from mlx_v41.kernels.rope_products import (CHECK_TOLERANCE as ROPE_TOLERANCE,
+                                           build_checked_rope_products, build_rope_products,
+                                           rope_of_products, rope_products, rope_products_ops)
+from mlx_v41.kernels.swa_ring import swa_ring_update_ops
+from mlx_v41.kernels.window_rows import (build_checked_window_rows, build_window_rows,
+                                         window_rows, window_rows_ops)
+from mlx_v41.model.rope import RoPE
+from tests.metal_sim import SimOptions, metal_kernel
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
+                                                             check_coverage=True))
+sim = functools.partial(metal_kernel, options=SimOptions())
+YARN = {"original_max_position_embeddings": 65536, "factor": 16.0, "beta_fast": 32,
+        "beta_slow": 1}
+E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def _same_bits(got: mx.array, want: mx.array) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype == mx.bfloat16
+    g, w = np.array(got.view(mx.uint16)), np.array(want.view(mx.uint16))
+    differ = g != w
+    assert not differ.any(), (int(differ.sum()), np.argwhere(differ)[:4])
+
+
+def _window_values(rng, shape) -> np.ndarray:
+    """Rows whose act_fp8 blocks span scales 2^-40 .. 2^20, with zero and -0 blocks."""
+    blocks = rng.standard_normal(shape[:-1] + (shape[-1] // 32, 32))
+    blocks *= 2.0 ** rng.integers(-40, 20, blocks.shape[:-1] + (1,))
+    blocks[..., ::5, :, :] *= 0.0
+    blocks[..., 1::7, :1, :] = -0.0
+    return blocks.reshape(shape)
+
+
+@pytest.mark.parametrize("batch,capacity,width,position,count,fresh,skip", [
+    (1, 8, 64, 17, 5, 2, 1),       # across the ring's end, first row left out
+    (2, 32, 96, 40, 15, 1, 0),     # a decode step (window 16)
+    (2, 32, 32, 100, 15, 7, 6),    # a prefill chunk whose queries need fewer rows
+    (1, 16, 64, 3, 3, 4, 0),       # every position held so far
+    (1, 8, 32, 9, 8, 3, 10)])      # only new rows kept
+def test_window_rows_kernel_equals_ops_bit_for_bit(batch, capacity, width, position, count,
+                                                   fresh, skip):
+    rng = np.random.default_rng(position)
+    history = mx.array(_window_values(rng, (batch, position, width)).astype(np.float32))
+    ring = swa_ring_update_ops(mx.zeros((batch, capacity, width * 33 // 32), mx.uint8),
+                               history.astype(mx.bfloat16), 0)
+    rows = mx.array(_window_values(rng, (batch, fresh, width)).astype(np.float32))
+    rows = rows.astype(mx.bfloat16)
+    got = window_rows(ring, rows, position, count, skip, run=build_window_rows(checked))
+    _same_bits(got, window_rows_ops(ring, rows, position, count, skip))
+    assert got.shape == (batch, count + fresh - skip, width)
+
+
+def test_window_rows_dispatcher():
+    """No ring rows: the new rows' slice, no launch; rows it does not take: the ops; bad
+    counts: one clear error."""
+    ring = mx.zeros((1, 8, 66), mx.uint8)
+    rows = mx.ones((1, 3, 64), mx.bfloat16)
+
+    def never(*_):
+        raise AssertionError("launched")
+
+    assert mx.array_equal(window_rows(ring, rows, 4, 0, 1, run=never), rows[:, 1:]).item()
+    assert window_rows(ring, rows.astype(mx.float32), 4, 2, run=never).dtype == mx.float32
+    with pytest.raises(ValueError, match="cannot read 5 ring rows before position 4"):
+        window_rows(ring, rows, 4, 5)
+
+
+def _products(rng, shape, rotated: int, tiny: bool = True) -> np.ndarray:
+    """fp32 products: bf16 rounding ties, E2M1 midpoints x 2^k before the rotated tail (the
+    FP4 rounding's ties, block maxima at 6 x 2^k and just above), wide magnitudes, a zero head,
+    -0 and (`tiny`) a head below the FP4 scale's floor, bf16 subnormals included."""
+    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-30, 30, shape[:-1] + (1,))
+    plain = shape[-1] - rotated
+    scale = 2.0 ** rng.integers(-20, 20, shape[:-1] + (1,))
+    x[..., :plain] = rng.choice(E2M1_MIDPOINTS, shape[:-1] + (plain,)) * scale
+    x[..., :plain] *= rng.choice([-1.0, 1.0], shape[:-1] + (plain,))
+    x[..., 0] = 6.0 * scale[..., 0] * rng.choice([1.0, 1 + 2.0 ** -6], shape[:-1])
+    x[..., 1, :] = 0.0
+    x[..., 0, 1] = -0.0
+    if tiny:
+        x[..., 2, :] = rng.standard_normal(shape[:2] + shape[-1:]) * 2.0 ** -128
+    x = x.astype(np.float32)
+    ties = (x.view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # bf16 halfway
+    return np.where(rng.random(shape) < 0.3, ties.view(np.float32), x)
+
+
+CASES = [((1, 1, 4, 64), 16, 7), ((2, 3, 3, 64), 16, 1 << 20),
+         ((1, 2, 5, 96), 32, "array"), ((1, 1, 64, 128), 64, 123457)]
+
+
+def _positions(positions, length):
+    if positions == "array":
+        return mx.array([3, 70000, 5][:length])
+    return positions
+
+
+@pytest.mark.parametrize("shape,rope_dim,positions", CASES + [((2, 2, 3, 48), 16, 9)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rope_products_kernel_matches_ops(shape, rope_dim, positions, dtype):
+    rng = np.random.default_rng(shape[-1] + rope_dim)
+    x = mx.array(_products(rng, shape, rope_dim)).astype(dtype)
+    rope, positions = RoPE(rope_dim, 160000.0, YARN), _positions(positions, shape[1])
+    got = rope_products(x, rope, positions, run=build_rope_products(checked))
+    want = rope_products_ops(x, rope, positions)
+    error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert error <= ROPE_TOLERANCE * mx.abs(want.astype(mx.float32)).max().item()
+    _same_bits(got, want)  # the simulator rounds every product: measured error 0
+
+
+@pytest.mark.parametrize("shape,rope_dim,positions", CASES)
+def test_index_queries_kernel_matches_ops(shape, rope_dim, positions):
+    rng = np.random.default_rng(shape[-1] * 3 + rope_dim)
+    x = mx.array(_products(rng, shape, rope_dim))
+    rope, positions = RoPE(rope_dim, 10000.0), _positions(positions, shape[1])
+    got = index_queries(x, rope, positions, run=build_index_queries(checked))
+    want = index_queries_ops(x, rope, positions)
+    error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert error <= INDEX_TOLERANCE * mx.abs(want.astype(mx.float32)).max().item()
+    _same_bits(got, want)
+
+
+def test_the_index_inputs_reach_the_fp4_edge_cases():
+    """The products above meet E2M1 ties, block maxima exactly at and just above 6 x 2^k,
+    bf16 rounding ties and zero blocks (so a kernel that mishandles one cannot pass)."""
+    rng = np.random.default_rng(1)
+    x = _products(rng, (2, 3, 3, 64), 16)
+    values = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32))
+    blocks = values[..., :32]
+    scale = 2.0 ** np.ceil(np.log2(np.abs(blocks).max(-1, keepdims=True).clip(1e-30) / 6))
+    assert np.isin(np.abs(blocks / scale), E2M1_MIDPOINTS).sum() > 100
+    assert (np.abs(blocks).max(-1) / scale[..., 0] == 6).any()
+    assert ((x.view(np.uint32) & 0xFFFF) == 0x8000).mean() > 0.2
+    assert (np.abs(values).max(-1) == 0).any()
+
+
+def test_dispatchers_keep_the_ops_where_the_kernels_do_not_apply():
+    """Odd widths and mismatched positions: the ops (and their errors)."""
+    rope, run = RoPE(16, 10000.0), build_index_queries(sim)
+    with pytest.raises(ValueError, match="multiple of the group size 32"):
+        index_queries(mx.ones((1, 1, 2, 48)), rope, 0, run=run)
+    x = mx.ones((1, 2, 2, 33))
+    with pytest.raises(ValueError):
+        rope_products(x, rope, 0, run=build_rope_products(sim))
+    x = mx.ones((1, 2, 2, 32))
+    assert mx.array_equal(rope_products(x, rope, mx.arange(2), use_kernel=False),
+                          rope_products_ops(x, rope, mx.arange(2))).item()
+
+
+class _Zeros:
+    """A kernel that runs but returns zeros."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, **call):
+        return [mx.zeros_like(out) for out in self.kernel(**call)]
+
+
+def _not_compiling(**spec):
+    return sim(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
+
+
+def _wrong(**spec):
+    return _Zeros(sim(**spec))
+
+
+@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
+                                            (_wrong, "KernelMismatch")])
+@pytest.mark.parametrize("build,ops,name", [
+    (build_checked_window_rows, window_rows_ops, "v41_window_rows"),
+    (build_checked_rope_products, rope_products_ops, "v41_rope_products"),
+    (build_checked_index_queries, index_queries_ops, "v41_index_queries")])
+def test_a_broken_kernel_warns_once_and_runs_its_ops(factory, reason, build, ops, name):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = build(factory)
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert run is ops
+    assert len(messages) == 1 and name in messages[0] and reason in messages[0], messages
+
+
+def test_indexer_reads_the_attentions_rounded_queries(goldens):
+    """`Indexer.queries` on the attention's `q_b_proj.prepare(qr)` (the same act_fp8 values)
+    equals its own rounding of qr."""
+    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    attention = model.model.layers[2].self_attn
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.standard_normal((1, 3, 128)).astype(np.float32)).astype(mx.bfloat16)
+    qr = mx.array(rng.standard_normal((1, 3, 64)).astype(np.float32)).astype(mx.bfloat16)
+    own = attention.indexer.queries(x, qr, 5, attention.rope)
+    shared = attention.indexer.queries(x, qr, 5, attention.rope,
+                                       qr_fp8=attention.q_b_proj.prepare(qr))
+    for a, b in zip(own, shared):
+        assert mx.array_equal(a, b).item()
+
+
+def test_query_rope_on_a_model_layer():
+    """The tiny golden's layer-2 queries (YaRN RoPE) from their products, as the attention
+    computes them today (`rope(q_b_proj(qr))`): the same bits."""
+    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    attention = model.model.layers[2].self_attn
+    qr = mx.array(np.random.default_rng(3).standard_normal((2, 3, 64)).astype(np.float32))
+    qr = qr.astype(mx.bfloat16)
+    shape = (2, 3, attention.heads, attention.head_dim)
+    products = attention.q_b_proj.matmul(attention.q_b_proj.prepare(qr)).reshape(shape)
+    kernels = Kernels(rope_products=build_rope_products(checked))
+    _same_bits(rope_of_products(attention.rope, products, 70, kernels),
+               attention.rope(attention.q_b_proj(qr).reshape(shape), 70))
+
+
+def test_model_with_the_kernels_equals_the_ops(goldens):
+    """The tiny golden model with window_rows and index_queries through the simulator (each
+    call counted): the ops' logits over a two-chunk prefill and two decode steps (measured
+    difference 0: both kernels give the ops' bits here)."""
+    calls = {"window_rows": 0, "index_queries": 0}
+
+    def counted(name, run):
+        def call(*args):
+            calls[name] += 1
+            return run(*args)
+        return call
+
+    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model.kernels = Kernels(window_rows=counted("window_rows", build_window_rows(sim)),
+                            index_queries=counted("index_queries", build_index_queries(sim)))
+    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
+    reference.kernels = Kernels(use=False)
+    ids = goldens("tiny").prompt[None, :14].astype(mx.int32)
+    caches = model.make_cache(), reference.make_cache()
+    for chunk in (ids[:, :8], ids[:, 8:12], ids[:, 12:13], ids[:, 13:14]):
+        got, want = (m(chunk, cache=c) for m, c in zip((model, reference), caches))
+        assert mx.array_equal(got, want).item()
+    layers = len(model.model.layers)
+    assert calls["window_rows"] == 3 * layers, calls  # every call after the first
+    assert calls["index_queries"] >= 4 * 4, calls     # the indexer layers, every call
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device (macOS)")
+def test_attention_prep_kernels_match_ops_on_device():
+    """Apple's compiler and GPU: MLX's kernels (self-checked) against the ops."""
+    rng = np.random.default_rng(5)
+    with mx.stream(mx.gpu):  # the module runs on the CPU; Metal kernels run on the GPU only
+        history = mx.array(_window_values(rng, (1, 40, 512)).astype(np.float32))
+        ring = swa_ring_update_ops(mx.zeros((1, 32, 528), mx.uint8), history, 0)
+        rows = mx.array(_window_values(rng, (1, 1, 512)).astype(np.float32)).astype(mx.bfloat16)
+        _same_bits(build_window_rows()(ring, rows, 40, 15, 0),
+                   window_rows_ops(ring, rows, 40, 15, 0))
+        x = mx.array(_products(rng, (1, 2, 64, 128), 64, tiny=False))
+        rope = RoPE(64, 160000.0, YARN)
+        got, want = build_rope_products()(x, rope, 900), rope_products_ops(x, rope, 900)
+        error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        assert error <= ROPE_TOLERANCE * mx.abs(want.astype(mx.float32)).max().item()
+        got, want = build_index_queries()(x, rope, 900), index_queries_ops(x, rope, 900)
+        assert (got != want).sum().item() <= want.size / 256

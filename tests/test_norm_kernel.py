@@ -1,0 +1,237 @@
+"""The fused norm kernel (metal/norm.metal: [collapse ->] RMSNorm [-> RoPE] [-> act_fp8] in one
+launch per call) through the Metal simulator against `norm_ops`, the model's own functions.
+
+Stated tolerance (`kernels/norm.py` `check_close`): every bf16 value within one ulp of the ops'
+and at most 2^-6 of them different, the fp32 copy exact, act_fp8 outputs the act_fp8 of the
+kernel's own values. Measured here: no difference at all, on every shape and input below (the
+kernel mirrors `_pairwise_mean`'s order; the simulator has no FMA and the CPU's rsqrt), so the
+tests also hold it to the ops' bits; the tolerance is for a GPU, whose ops reduce in another
+order. Races and coverage checked; odd widths (leaves of 12 and 10 channels, 96 and 160
+threads), zero rows, rows spanning 2^±60, bf16 ties in the products."""
+
+import functools
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_v41
+from conftest import golden_checkpoint
+from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.norm import (OUTPUTS, build_checked_norm, build_norm, check_close, norm,
+                                  norm_ops, threads_for)
+from mlx_v41.model.rope import RoPE
+from tests.metal_sim import SimOptions, metal_kernel
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
+                                                             check_coverage=True))
+
+
+@functools.cache
+def _run():
+    return build_norm(checked)
+
+
+def _rows(rng, shape, spread: float = 2.0) -> np.ndarray:
+    """Normal values with per-row scales e^(spread N(0, 1)); the first row all zero, the
+    second spanning 2^-60 .. 2^60 (squares near fp32's ends), the third one outlier."""
+    x = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[:-1] + (1,)) * spread)
+    flat = x.reshape(-1, shape[-1])
+    flat[0] = 0.0
+    if len(flat) > 1:
+        flat[1] *= 2.0 ** rng.integers(-60, 60, shape[-1])
+    if len(flat) > 2:
+        flat[2, rng.integers(shape[-1])] = 3e4
+    return x.astype(np.float32)
+
+
+def _weight(rng, width: int) -> mx.array:
+    """bf16 values promoted to fp32, as the checkpoint's norm weights are."""
+    w = rng.uniform(0.25, 2.0, width).astype(np.float32)
+    return mx.array(w).astype(mx.bfloat16).astype(mx.float32)
+
+
+def _same(got: tuple, want: tuple, outputs) -> None:
+    check_close("test", got, want, outputs)  # the stated tolerance
+    for g, w in zip(got, want):  # and, measured on the simulator, the ops' bits
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert mx.array_equal(g.view(mx.uint8), w.view(mx.uint8)).item()
+
+
+def test_threads_per_width():
+    """Halved (a pairwise level each) to at most 256 while the half stays a multiple of 32."""
+    plans = {128: 128, 64: 64, 96: 96, 160: 160, 512: 256, 1280: 160, 5120: 160, 4096: 256,
+             1056: None, 48: None, 0: None}
+    assert {width: threads_for(width) for width in plans} == plans
+
+
+@pytest.mark.parametrize("lead,width,outputs", [
+    ((1, 3), 128, OUTPUTS), ((2, 3), 96, ("y", "fp8")), ((1, 2), 160, ("y", "y32")),
+    ((1, 1), 1280, ("y",)), ((3, 1), 64, ("fp8", "y"))])
+def test_collapse_and_norm_match_ops(lead, width, outputs):
+    """The block inputs and the final norm: 4 copies collapsed with fp32 `pre` weights."""
+    rng = np.random.default_rng(width)
+    streams = mx.array(_rows(rng, lead + (4, width))).astype(mx.bfloat16)
+    pre = mx.array(rng.uniform(-0.5, 1.5, lead + (4,)).astype(np.float32))
+    args = (streams, _weight(rng, width), 1e-6)
+    _same(_run()(*args, pre=pre, outputs=outputs), norm_ops(*args, pre=pre, outputs=outputs),
+          outputs)
+
+
+@pytest.mark.parametrize("lead,width,rope_dim,positions,fp8_dtype", [
+    ((1, 5), 64, 16, 7, mx.bfloat16), ((2, 3), 96, 32, "array", mx.bfloat16),
+    ((1, 4), 160, 64, 0, mx.float32)])
+def test_products_norm_rope_act_fp8_match_ops(lead, width, rope_dim, positions, fp8_dtype):
+    """The kv chain: fp32 products (a third of them bf16 ties), norm, RoPE at int or array
+    positions, act_fp8."""
+    rng = np.random.default_rng(width + rope_dim)
+    x = _rows(rng, lead + (width,), spread=1.0) * 30
+    ties = (x.view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000)
+    x = np.where(rng.random(x.shape) < 0.3, ties.view(np.float32), x)
+    if positions == "array":
+        positions = mx.array(rng.integers(0, 5000, lead[1]).astype(np.int32))
+    chain = dict(products=True, rope=RoPE(rope_dim, 10000.0), positions=positions,
+                 fp8_dtype=fp8_dtype)
+    args = (mx.array(x), _weight(rng, width), 1e-6)
+    for outputs in (("fp8",), ("y", "fp8")):
+        _same(_run()(*args, outputs=outputs, **chain), norm_ops(*args, outputs=outputs, **chain),
+              outputs)
+
+
+def test_products_norm_act_fp8_match_ops():
+    """The q chain: products, norm, its act_fp8 (fp32) for q_b_proj; and bf16 rows."""
+    rng = np.random.default_rng(3)
+    x = mx.array(_rows(rng, (2, 3, 64)))
+    args = (x, _weight(rng, 64), 1e-6)
+    outputs = ("y", "fp8")
+    _same(_run()(*args, products=True, outputs=outputs),
+          norm_ops(*args, products=True, outputs=outputs), outputs)
+    x = x.astype(mx.bfloat16)
+    _same(_run()(x, *args[1:], outputs=OUTPUTS), norm_ops(x, *args[1:], outputs=OUTPUTS),
+          OUTPUTS)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.array(mx.array(x.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
+
+
+def _sums(squares: np.ndarray) -> tuple:
+    """fp32 sums of squares in three orders: `_pairwise_mean`'s (halves, then the leaf in
+    sequence), its leaf backwards, and all in sequence."""
+    leaf = squares
+    while len(leaf) % 2 == 0 and len(leaf) > 16:
+        leaf = (leaf[:len(leaf) // 2] + leaf[len(leaf) // 2:]).astype(np.float32)
+    orders = (leaf, leaf[::-1], squares)
+    return tuple(functools.reduce(lambda a, b: np.float32(a + b), o, np.float32(0))
+                 for o in orders)
+
+
+def test_the_sum_of_squares_runs_in_the_ops_order():
+    """A row whose sum of squares differs by order, and fp32 weights that put each output next
+    to a bf16 rounding midpoint: an inverse rms one ulp off flips many outputs, beyond the
+    stated tolerance too (the random inputs above rarely see a sum order)."""
+    rng = np.random.default_rng(2)
+    v = _bf16(rng.standard_normal(64) * np.exp(rng.standard_normal(64)))
+    inverse_rms = [np.float32(1) / np.sqrt(np.float32(s / np.float32(64) + np.float32(1e-6)))
+                   for s in _sums(v * v)]
+    r = inverse_rms[0]
+    assert r != inverse_rms[1] and r != inverse_rms[2]  # the order shows in r
+    p = (v * r).astype(np.float32)
+    midpoint = ((p.view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000)).view(np.float32)
+    weight = mx.array((midpoint / p).astype(np.float32))
+    x = mx.array(v).astype(mx.bfloat16).reshape(1, 1, 64)
+    _same(_run()(x, weight, 1e-6, outputs=("y",)), norm_ops(x, weight, 1e-6, outputs=("y",)),
+          ("y",))
+
+
+def test_the_tolerance_catches_a_wrong_value():
+    """`check_close` fails a value two ulps off, too many one-ulp flips, and a fp8 output that
+    is not the act_fp8 of the kernel's own values."""
+    rng = np.random.default_rng(5)
+    y = mx.array(rng.standard_normal((4, 64)).astype(np.float32)).astype(mx.bfloat16)
+    bits = y.view(mx.uint16)
+    two_ulps = mx.where(mx.arange(64) == 3, bits + 2, bits).view(mx.bfloat16)
+    flips = mx.where(mx.arange(64) % 8 == 0, bits + 1, bits).view(mx.bfloat16)
+    fp8 = norm_ops(y, mx.ones((64,)), 1e-6, outputs=("fp8",))[0]
+    for wrong in (two_ulps, flips):
+        with pytest.raises(AssertionError, match="ulp|differ"):
+            check_close("t", (wrong,), (y,), ("y",))
+    with pytest.raises(AssertionError, match="own y"):
+        check_close("t", (y, fp8 * 0), (y, fp8), ("y", "fp8"))
+
+
+def test_dispatcher_keeps_the_ops_where_the_kernel_does_not_apply():
+    """Off Metal without a kernel, widths it does not plan, and non-bf16 copies: the ops
+    (their bits); with a kernel where it applies: the kernel; bad outputs: one-line error."""
+    rng = np.random.default_rng(9)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return norm_ops(*args)
+
+    x = mx.array(_rows(rng, (1, 2, 64)))
+    assert mx.array_equal(norm(x, mx.ones((64,)), 1e-6)[0],
+                          norm_ops(x, mx.ones((64,)), 1e-6)[0]).item()
+    for width in (48, 1056):
+        norm(mx.ones((1, 2, width)), mx.ones((width,)), 1e-6, run=counted)
+    streams = mx.ones((1, 2, 4, 64), mx.float32)  # fp32 copies: the collapse keeps fp32
+    norm(streams, mx.ones((64,)), 1e-6, pre=mx.ones((1, 2, 4)), run=counted)
+    assert calls == []
+    norm(x, mx.ones((64,)), 1e-6, run=counted)
+    assert calls == [(1, 2, 64)]
+    with pytest.raises(ValueError, match="outputs must be"):
+        norm(x, mx.ones((64,)), 1e-6, outputs=("z",))
+
+
+def _not_compiling(**spec):
+    return checked(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
+
+
+def _off_by_one(**spec):
+    """A kernel whose bf16 outputs are one ulp up everywhere (too many flips)."""
+    kernel = checked(**spec)
+
+    def call(**kwargs):
+        y, y32, q8 = kernel(**kwargs)
+        return [(y.view(mx.uint16) + 1).view(mx.bfloat16), y32, q8]
+    return call
+
+
+@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
+                                            (_off_by_one, "KernelMismatch")])
+def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = build_checked_norm(factory)
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert run is norm_ops
+    assert len(messages) == 1 and "v41_norm" in messages[0] and reason in messages[0], messages
+
+
+def test_model_with_the_kernel_matches_the_ops(goldens):
+    """The tiny golden model with every norm chain through the simulated kernel (4 per layer
+    and the final norm): prompt logits and two decode steps equal the ops' (measured: bit for
+    bit; the test allows 1e-3, well under the chaotic model's spread for a one-ulp flip)."""
+    kernel, calls = build_norm(metal_kernel), []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model.kernels = Kernels(norm=counted)
+    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
+    reference.kernels = Kernels(use=False)
+    ids = goldens("tiny").prompt[None, :8].astype(mx.int32)
+    cache, cache_ref = model.make_cache(), reference.make_cache()
+    got, want = model(ids, cache=cache), reference(ids, cache=cache_ref)
+    assert mx.abs(got - want).max().item() <= 1e-3
+    layers = len(model.model.layers)
+    assert len(calls) >= 4 * layers + 1, (len(calls), layers)
+    for token in (3, 4):
+        step = mx.array([[token]], dtype=mx.int32)
+        assert mx.abs(model(step, cache=cache) - reference(step, cache=cache_ref)).max() <= 1e-3

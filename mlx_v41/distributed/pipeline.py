@@ -146,7 +146,8 @@ class RemoteBlock(nn.Module):
         super().__init__()
         self.role, self.stage = role, stage
 
-    def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None):
+    def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None,
+                 following=None):
         streams, pre_in = self.stage.cross(self.role.layer, streams, pre_in, state)
         if not is_ghost(streams):
             raise RuntimeError(f"rank {self.stage.rank} holds the rows entering layer "
@@ -159,9 +160,10 @@ class RemoteBlock(nn.Module):
 class ReceivingBlock(Block):
     """This rank's first layer: receives its input rows from the rank before."""
 
-    def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None):
+    def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None,
+                 following=None):
         streams, pre_in = self.stage.cross(self.role.layer, streams, pre_in, state)
-        return super().__call__(streams, pre_in, state, cache, n_out)
+        return super().__call__(streams, pre_in, state, cache, n_out, following)
 
 
 class MirrorKV(CompressedKV):

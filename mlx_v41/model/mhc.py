@@ -40,13 +40,18 @@ class HyperConnection(nn.Module):
                    self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32,
                    squares=squares, host=kernels.host_sinkhorn)
 
+    @staticmethod
+    def fuses_expand(kernels: Kernels) -> bool:
+        """Whether `after_expand` runs as one fused launch with these kernels."""
+        return kernels.mhc_expand is not None or (kernels.use and metal_applies())
+
     def after_expand(self, y: mx.array, residual: mx.array, post: mx.array, comb: mx.array,
                      kernels: Optional[Kernels] = None):
         """The previous side's `expand_pair(y, residual, post, comb)`, then this side's mixes
         of the copies it makes -> (streams, pre, post, comb): one launch where the fused
         kernel applies (kernels/mhc.py `mhc_expand`), the two steps as before otherwise."""
         kernels = kernels or Kernels()
-        if kernels.mhc_expand is not None or (kernels.use and metal_applies()):
+        if self.fuses_expand(kernels):
             return mhc_expand(y, residual, post, comb, self.fn, self.base, self.scale,
                               self._iters, self._eps, self._norm_eps, run=kernels.mhc_expand)
         streams, streams32, squares = expand_pair(y, residual, post, comb)

@@ -55,29 +55,52 @@ class Block(nn.Module):
         self.role = role
 
     def __call__(self, streams, pre_in, state: ForwardState, cache: LayerCache,
-                 n_out: Optional[int] = None):
+                 n_out: Optional[int] = None, following: Optional[nn.Module] = None):
         """streams [B, n_in, n, D] (the last n_in positions of the call) and the previous
-        block's FFN-side `pre` -> (streams, pre) of the last `n_out` positions."""
+        block's FFN-side `pre` -> (streams, pre) of the last `n_out` positions. `following`:
+        the next layer of the stack, whose attention-side mixes this block's final expand
+        makes in the same launch where the fused kernel applies (`handed_mixes`)."""
         n_in = streams.shape[1]
         n_out = n_in if n_out is None else n_out
+        handed = state.handed_mixes.pop(self.role.layer, None)
         streams, pre_in = self.inputs(streams, pre_in, state)
         if self.role.engram_index is not None:
             rows = state.engram_rows[:, -n_in:, self.role.engram_index]
             streams = self.engram(streams, rows, state.image_positions(n_in), state.kernels)
             state.record(f"layers.{self.role.layer}.engram_out", streams)
         u, prepared = self.attention_input_prepared(streams, pre_in, state.kernels)
-        streams = streams[:, n_in - n_out:]
-        a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
+        if handed is not None and handed[0] is streams and n_in == n_out:
+            a_pre, a_post, a_comb = handed[1]  # the very streams they were made from
+        else:
+            streams = streams[:, n_in - n_out:]
+            a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
         streams, f_pre, f_post, f_comb = self.ffn_hc.after_expand(
             self.self_attn(u, state, cache, n_out, products=True, prepared=prepared), streams,
             a_post, a_comb, state.kernels)
         u, u32, u_fp8 = self.ffn_input(streams, a_pre, state.kernels)
         u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
                      state.kernels, x_fp8=u_fp8)
-        streams = expand(u, streams, f_post, f_comb)
+        if self.hands_mixes_to(following, state):
+            streams, *mixes = following.attn_hc.after_expand(u, streams, f_post, f_comb,
+                                                             state.kernels)
+            state.handed_mixes[following.role.layer] = (streams, tuple(mixes))
+        else:
+            streams = expand(u, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)
         return streams, f_pre
+
+    @staticmethod
+    def hands_mixes_to(following: Optional[nn.Module], state: ForwardState) -> bool:
+        """Whether this block's final expand also makes `following`'s attention-side mixes:
+        where the fused expand kernel applies, and the next block reads these very streams
+        (a plain Block: no Engram write, no teacher-forced input)."""
+        if type(following) is not Block or following.role.engram_index is not None:
+            return False
+        teacher = state.teacher
+        if teacher is not None and following.role.layer in teacher.streams:
+            return False
+        return following.attn_hc.fuses_expand(state.kernels)
 
     def gate_recorder(self, state: ForwardState):
         if state.capture is None:
@@ -144,8 +167,9 @@ class TextModel(nn.Module):
     def encoder_stack(self, streams, pre, state: ForwardState, cache: list):
         """The causal encoder's layers over every row of the call -> (streams, pre) entering
         the decoder."""
-        for layer, c in zip(self.layers[:self.decoder_start], cache):
-            streams, pre = layer(streams, pre, state, c)
+        layers = self.layers[:self.decoder_start]
+        for k, (layer, c) in enumerate(zip(layers, cache)):
+            streams, pre = layer(streams, pre, state, c, following=_next(layers, k))
         return streams, pre
 
     def decoder_stack(self, streams, pre, state: ForwardState, cache: list,
@@ -155,12 +179,24 @@ class TextModel(nn.Module):
         layers = self.layers[self.decoder_start:]
         for k, (layer, c) in enumerate(zip(layers, cache[self.decoder_start:])):
             n_in, n_out = (streams.shape[1],) * 2 if halo is None else halo[k]
-            streams, pre = layer(streams[:, -n_in:], pre[:, -n_in:], state, c, n_out)
+            if n_in < streams.shape[1]:
+                streams, pre = streams[:, -n_in:], pre[:, -n_in:]
+            streams, pre = layer(streams, pre, state, c, n_out, following=_next(layers, k, halo))
         if uses_norm_kernel(state.kernels):  # collapse and norm in one launch
             hidden, = norm(streams, self.norm.weight, self.norm.eps, pre=pre,
                            use_kernel=state.kernels.use, run=state.kernels.norm)
             return hidden
         return self.norm(collapse(streams, pre))
+
+
+def _next(layers: list, k: int, halo: Optional[list] = None):
+    """Layer k's successor in its stack where it takes all of layer k's output rows as its
+    queries (the rows a handed-over mix covers), else None."""
+    if k + 1 >= len(layers):
+        return None
+    if halo is not None and not halo[k + 1][0] == halo[k + 1][1] == halo[k][1]:
+        return None
+    return layers[k + 1]
 
 
 @dataclass

@@ -64,6 +64,9 @@ class ForwardState:
     taps: dict = field(default_factory=dict)     # layer -> [B, rows, D] mean over the copies
     tap_keep: Optional[int] = None               # taps keep only their last rows (None: all)
     capture: Optional[dict] = None               # debugging: name -> intermediate
+    # layer -> (its entering streams, their attention-side (pre, post, comb)): made with the
+    # previous block's expand in one launch where the fused kernel applies (Block.__call__)
+    handed_mixes: dict = field(default_factory=dict)
 
     def image_positions(self, rows: int) -> Optional[mx.array]:
         """The image mask of the call's last `rows` positions (None: no image in the call)."""

@@ -18,7 +18,8 @@ from .shared import ForwardState
 from .indexer import Indexer
 from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
-from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows, round_act_fp8
+from .layers import (QuantLinear, RMSNorm, allocate_quantized, batch_rows, paired_matmul,
+                     round_act_fp8)
 from ..kernels.norm import norm, uses_norm_kernel
 from ..kernels.rope_products import rope_of_products
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
@@ -98,12 +99,14 @@ class Attention(nn.Module):
         k = ctx.kernels
         fused = uses_norm_kernel(k)  # norm [-> RoPE] -> act_fp8 in one launch (kernels/norm.py)
         xq = self.kv_proj.prepare(x, kernels=k) if prepared is None else prepared  # q_a's too
+        # one matmul for both where q_a reads every row, the same bits (layers.paired_matmul)
+        kv_products, qr = paired_matmul(self.kv_proj, self.q_a_proj, xq, n_out)
         if fused:
-            kv, = norm(self.kv_proj.matmul(xq), self.kv_norm.weight, self.kv_norm.eps,
+            kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps,
                        products=True, rope=self.rope, positions=ctx.end - n_in,
                        outputs=("fp8",), fp8_dtype=mx.bfloat16, use_kernel=k.use, run=k.norm)
         else:
-            kv = self.rope(self.kv_norm.of_products(self.kv_proj.matmul(xq)), ctx.end - n_in)
+            kv = self.rope(self.kv_norm.of_products(kv_products), ctx.end - n_in)
             kv = round_act_fp8(kv, kernels=ctx.kernels)
         window = self._window(kv, cache, ctx, n_out)
         cache.window.write(kv, ctx.end - n_in, ctx.kernels)
@@ -111,7 +114,6 @@ class Attention(nn.Module):
             self.compress(x, ctx)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
-        qr = self.q_a_proj.matmul(xq[:, n_in - n_out:])
         if fused:
             qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
                               outputs=("y", "fp8"), use_kernel=k.use, run=k.norm)

@@ -165,6 +165,108 @@ class QuantLinear(nn.Module):
             group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
+# ---------------------------------------------------------------- paired linears
+
+PACKED = ("weight", "scales", "biases")  # a packed linear's arrays, all split by output row
+METAL_TILE = 32  # output widths in whole tiles: MLX's aligned qmm_t and fast qmv on Metal
+# Metal's qmv -> qmm row limit changes at these input / output widths (mlx metal/quantized.cpp)
+METAL_QMV_CLASSES = (2048, 4096)
+
+
+def paired_matmul(first: QuantLinear, second: QuantLinear, x: mx.array,
+                  second_rows: Optional[int] = None):
+    """(first.matmul(x), second.matmul(the last `second_rows` rows of x)) for x [..., S, K]
+    (`second_rows`: all S by default). Where the two pair (`can_pair`) and both read every
+    row, ONE quantized matmul over the two weights concatenated along the output axis, one
+    launch less: each output element is the same dot product over the same packed row, so
+    the same bits as the two matmuls (every layout, on MLX's CPU backend: tests/
+    test_paired_linears.py; on Metal by `_same_metal_kernel`). The products are views of the
+    one result (contiguous at one row; a Metal kernel reading a part of several rows copies it).
+
+    The concatenated arrays are made lazily at the pair's first call (evaluated with that
+    forward) and the linears' own parameters become views of them: the bytes are not doubled
+    and `parameters()` keeps its names and shapes. A parameter replaced later (`load_weights`,
+    `update`, sharding, requantizing) is noticed by identity and the arrays are made again
+    from the new ones, so stale weights are never read."""
+    if x.ndim < 2:
+        raise ValueError(f"paired_matmul takes rows [..., S, K], got shape {x.shape}")
+    rows = x.shape[-2]
+    second_rows = rows if second_rows is None else second_rows
+    if not can_pair(first, second):
+        return first.matmul(x), second.matmul(x[..., rows - second_rows:, :])
+    fused = _fused_arrays(first, second)  # at the first call, so not in a later decode step
+    if second_rows != rows:  # apart: over other rows Metal may pick another kernel
+        return first.matmul(x), second.matmul(x[..., rows - second_rows:, :])
+    out = mx.quantized_matmul(x, fused["weight"], fused["scales"], fused.get("biases"),
+                              transpose=True, group_size=first.group_size, bits=first.bits,
+                              mode=first.mode)
+    split = first.weight.shape[0]
+    return out[..., :split], out[..., split:]
+
+
+def can_pair(first: QuantLinear, second: QuantLinear) -> bool:
+    """Whether one matmul over both weights gives each one's bits: plain `QuantLinear.matmul`
+    (a subclass may reduce or reshape its products), one layout (mode, bits, group size, input
+    rounding, arrays and dtypes, input width), 2-D weights, and output widths for which
+    MLX's Metal backend picks the same kernel as for their sum (`_same_metal_kernel`)."""
+    modules = (first, second)
+    if any(type(m).matmul is not QuantLinear.matmul for m in modules):
+        return False
+    layout = [(m.mode, m.bits, m.group_size, m.quantize_input,
+               tuple((n, m[n].dtype, m[n].ndim, m[n].shape[-1]) for n in PACKED if n in m))
+              for m in modules]
+    if layout[0] != layout[1] or first.weight.ndim != 2:
+        return False
+    widths = (first.weight.shape[0], second.weight.shape[0])
+    return _same_metal_kernel(input_dims(first), widths)
+
+
+def _same_metal_kernel(input_width: int, widths: tuple) -> bool:
+    """MLX's Metal quantized matmul chooses its kernel from the rows, the input width and the
+    output width: whole tiles (`METAL_TILE`) and one qmv row-limit class for each width and
+    their sum keep the choice, at every row count, the same for the fused matmul as for the
+    two apart (so the bits on the GPU too)."""
+    def qmv_class(width: int) -> int:
+        return sum(max(input_width, width) > limit for limit in METAL_QMV_CLASSES)
+
+    total = sum(widths)
+    return (all(w % METAL_TILE == 0 for w in widths)
+            and len({qmv_class(w) for w in (*widths, total)}) == 1)
+
+
+class _FusedPair:
+    """Two linears' packed arrays concatenated along the output axis, and the views of them
+    that the two linears hold instead of their own arrays."""
+
+    def __init__(self, first: QuantLinear, second: QuantLinear):
+        names = [n for n in PACKED if n in first]
+        split = first.weight.shape[0]
+        self.second = second
+        self.arrays = {n: mx.concatenate([first[n], second[n]]) for n in names}
+        self.views = ({n: a[:split] for n, a in self.arrays.items()},
+                      {n: a[split:] for n, a in self.arrays.items()})
+        for module, views in zip((first, second), self.views):
+            for name, view in views.items():
+                module[name] = view
+
+    def is_current(self, first: QuantLinear, second: QuantLinear) -> bool:
+        """The two still hold exactly the views made here (no parameter replaced since)."""
+        return self.second is second and all(
+            set(n for n in PACKED if n in module) == set(views)
+            and all(module[n] is view for n, view in views.items())
+            for module, views in zip((first, second), self.views))
+
+
+def _fused_arrays(first: QuantLinear, second: QuantLinear) -> dict:
+    """The concatenated arrays of the pair, made again when either linear's changed. Kept in
+    a plain attribute of `first` (not an array, dict or list): outside the module tree, so
+    `parameters()`, `update` and saving never see them."""
+    pair = getattr(first, "_fused_pair", None)
+    if pair is None or not pair.is_current(first, second):
+        pair = first._fused_pair = _FusedPair(first, second)
+    return pair.arrays
+
+
 @functools.lru_cache(maxsize=64)
 def batch_rows(shape: tuple) -> mx.array:
     """Evaluated uint32 row numbers over a batch shape: `gather_qmm`'s default `lhs_indices`

@@ -22,7 +22,8 @@ from ..kernels.builder import metal_applies
 from ..kernels.mhc import along, chain_sum
 from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
 from ..kernels.swiglu import compiled_swiglu_of_products, swiglu, swiglu_act_fp8
-from .layers import QuantLinear, allocate_quantized, batch_rows, round_act_fp8
+from .layers import (QuantLinear, allocate_quantized, batch_rows, paired_matmul,
+                     round_act_fp8)
 
 SORT_THRESHOLD = 64  # below this many (token, expert) pairs, gathering unsorted is cheaper
 
@@ -141,8 +142,8 @@ class SharedExpert(nn.Module):
         """fp32 products of `down_proj`, before its bf16 rounding. `prepared`: x already
         act_fp8-rounded (the routed experts' input, shared)."""
         xq = self.gate_proj.prepare(x, kernels=kernels) if prepared is None else prepared
-        act = down_input(self.gate_proj.matmul(xq), self.up_proj.matmul(xq), None, self.limit,
-                         kernels)  # `down_proj.prepare`'s act_fp8, fused with the SwiGLU
+        gate, up = paired_matmul(self.gate_proj, self.up_proj, xq)  # one matmul, same bits
+        act = down_input(gate, up, None, self.limit, kernels)  # and `down_proj`'s act_fp8
         return self.down_proj.matmul(act)
 
 

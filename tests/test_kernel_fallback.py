@@ -101,3 +101,27 @@ def test_production_kernel_without_metal_falls_back_with_one_warning():
     with pytest.warns(RuntimeWarning, match="v41_fp4_pack") as caught:
         run = build_checked_fp4_pack()
     assert run is fp4_pack_ops and len(caught) == 1
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device (macOS)")
+def test_every_kernel_passes_its_self_check_on_device(goldens):
+    """The Mac checklist's first line: Apple's compiler builds every kernel (the fused ones
+    too) and each matches its ops on its probe, so none falls back; then the tiny golden
+    model on the GPU with every kernel stays close to the CPU's ops (the mHC kernels and the
+    GPU's own reductions sum in other orders: the early positions, where the random model is
+    not yet chaotic)."""
+    with warnings.catch_warnings(record=True) as caught, mx.stream(mx.gpu):
+        warnings.simplefilter("always")
+        kernels = Kernels.build(mx.fast.metal_kernel, check=True, inexact=True)
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == []
+    for name, (field, ops) in OPS.items():
+        assert getattr(kernels, field) is not ops, name
+    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model.kernels = kernels
+    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
+    reference.kernels = Kernels(use=False)
+    ids = goldens("tiny").prompt[None, :6].astype(mx.int32)
+    with mx.stream(mx.gpu):
+        got = model(ids)
+    assert mx.abs(got - reference(ids)).max().item() < 0.05

@@ -192,16 +192,12 @@ def paired_matmul(first: QuantLinear, second: QuantLinear, x: mx.array,
         raise ValueError(f"paired_matmul takes rows [..., S, K], got shape {x.shape}")
     rows = x.shape[-2]
     second_rows = rows if second_rows is None else second_rows
-    if not can_pair(first, second):
+    pair = _current_pair(first, second)  # made at the first call, so not in a later decode step
+    if pair is None or second_rows != rows:  # apart: over other rows Metal may pick another kernel
         return first.matmul(x), second.matmul(x[..., rows - second_rows:, :])
-    fused = _fused_arrays(first, second)  # at the first call, so not in a later decode step
-    if second_rows != rows:  # apart: over other rows Metal may pick another kernel
-        return first.matmul(x), second.matmul(x[..., rows - second_rows:, :])
-    out = mx.quantized_matmul(x, fused["weight"], fused["scales"], fused.get("biases"),
-                              transpose=True, group_size=first.group_size, bits=first.bits,
-                              mode=first.mode)
-    split = first.weight.shape[0]
-    return out[..., :split], out[..., split:]
+    out = mx.quantized_matmul(x, *pair.packed, transpose=True, group_size=first.group_size,
+                              bits=first.bits, mode=first.mode)
+    return out[..., :pair.split], out[..., pair.split:]
 
 
 def can_pair(first: QuantLinear, second: QuantLinear) -> bool:
@@ -240,31 +236,38 @@ class _FusedPair:
 
     def __init__(self, first: QuantLinear, second: QuantLinear):
         names = [n for n in PACKED if n in first]
-        split = first.weight.shape[0]
+        self.split = first.weight.shape[0]
         self.second = second
-        self.arrays = {n: mx.concatenate([first[n], second[n]]) for n in names}
-        self.views = ({n: a[:split] for n, a in self.arrays.items()},
-                      {n: a[split:] for n, a in self.arrays.items()})
+        arrays = {n: mx.concatenate([first[n], second[n]]) for n in names}
+        self.packed = (arrays["weight"], arrays["scales"], arrays.get("biases"))
+        self.views = tuple({n: a[:self.split] for n, a in arrays.items()} if i == 0 else
+                           {n: a[self.split:] for n, a in arrays.items()} for i in range(2))
+        self.absent = tuple(n for n in PACKED if n not in arrays)
         for module, views in zip((first, second), self.views):
             for name, view in views.items():
                 module[name] = view
 
     def is_current(self, first: QuantLinear, second: QuantLinear) -> bool:
-        """The two still hold exactly the views made here (no parameter replaced since)."""
+        """The two still hold exactly the views made here (no parameter replaced or added
+        since). Plain dict lookups: it runs at every call."""
         return self.second is second and all(
-            set(n for n in PACKED if n in module) == set(views)
-            and all(module[n] is view for n, view in views.items())
+            all(module.get(n) is view for n, view in views.items())
+            and not any(n in module for n in self.absent)
             for module, views in zip((first, second), self.views))
 
 
-def _fused_arrays(first: QuantLinear, second: QuantLinear) -> dict:
-    """The concatenated arrays of the pair, made again when either linear's changed. Kept in
-    a plain attribute of `first` (not an array, dict or list): outside the module tree, so
-    `parameters()`, `update` and saving never see them."""
+def _current_pair(first: QuantLinear, second: QuantLinear) -> Optional[_FusedPair]:
+    """The pair's concatenated arrays (`_FusedPair`), made again when either linear changed,
+    or None where the two do not pair. Kept in a plain attribute of `first` (not an array,
+    dict or list): outside the module tree, so `parameters()`, `update` and saving never see
+    them."""
     pair = getattr(first, "_fused_pair", None)
-    if pair is None or not pair.is_current(first, second):
-        pair = first._fused_pair = _FusedPair(first, second)
-    return pair.arrays
+    if pair is not None and pair.is_current(first, second):
+        return pair
+    if not can_pair(first, second):
+        return None
+    pair = first._fused_pair = _FusedPair(first, second)
+    return pair
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,6 +10,8 @@ and shapes (the concatenated arrays live outside the module tree and the linears
 of them), and a parameter replaced after a forward is used by the next one (never the stale
 concatenation)."""
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -129,10 +131,45 @@ def test_second_reading_fewer_rows_runs_apart():
     x = mx.random.normal((1, 6, INPUT_WIDTH), key=mx.random.key(5))
     want = (first.matmul(x), second.matmul(x[:, 4:]))
     assert_same_bits(paired_matmul(first, second, x, 2), want)
-    # the views are made anyway (a prefill's last layers), so a decode step does not make them
-    assert first._fused_pair.is_current(first, second)
-    assert_same_bits(paired_matmul(first, second, x, 2), want)
+    assert getattr(first, "_fused_pair", None) is None  # made only where a forward uses it
     assert paired_matmul(first, second, x, 0)[1].shape == (1, 0, 32)
+
+
+def test_a_pair_made_on_one_thread_serves_another():
+    """The server runs forwards on a worker thread: a paired call here, then on the worker a
+    call whose second linear reads fewer rows (two matmuls over the linears' views). MLX
+    refuses to evaluate an array made on another thread's stream ('There is no Stream(cpu, 0)
+    in current thread'), so the pair's arrays and views are evaluated when it is made."""
+    first, second = linear(64), linear(32, seed=1)
+    x = mx.random.normal((1, 6, INPUT_WIDTH), key=mx.random.key(5))
+    mx.eval(x, first.parameters(), second.parameters())
+    want = (first.matmul(x), second.matmul(x[:, 4:]))
+    mx.eval(want, *paired_matmul(first, second, x))
+    results = []
+
+    def on_worker():
+        try:
+            got = paired_matmul(first, second, x, 2)
+            results.append(all(mx.array_equal(g, w).item() for g, w in zip(got, want)))
+        except RuntimeError as error:
+            results.append(error)
+
+    worker = threading.Thread(target=on_worker)
+    worker.start()
+    worker.join()
+    assert results == [True]
+
+
+def test_first_met_inside_compile_tracing():
+    """A pair first met while `mx.compile` traces: the weights are constants there, so the
+    pair is made and evaluated from them, and the products are the two matmuls' bits inside
+    the compiled function and after it."""
+    first, second = linear(64), linear(32, seed=1)
+    x = mx.random.normal((1, 3, INPUT_WIDTH), key=mx.random.key(6))
+    want = (first.matmul(x), second.matmul(x))
+    assert_same_bits(mx.compile(lambda v: paired_matmul(first, second, v))(x), want)
+    assert_same_bits(paired_matmul(first, second, x), want)
+    assert first._fused_pair.is_current(first, second)
 
 
 def test_rows_are_required():

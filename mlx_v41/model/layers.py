@@ -183,17 +183,21 @@ def paired_matmul(first: QuantLinear, second: QuantLinear, x: mx.array,
     test_paired_linears.py; on Metal by `_same_metal_kernel`). The products are views of the
     one result (contiguous at one row; a Metal kernel reading a part of several rows copies it).
 
-    The concatenated arrays are made lazily at the pair's first call (evaluated with that
-    forward) and the linears' own parameters become views of them: the bytes are not doubled
-    and `parameters()` keeps its names and shapes. A parameter replaced later (`load_weights`,
+    The concatenated arrays are made and evaluated at the pair's first call (once per pair)
+    and the linears' own parameters become views of them: the bytes are not doubled and
+    `parameters()` keeps its names and shapes. Evaluated there, not left lazy: a later
+    forward may run on another thread (the server's worker), and MLX refuses to evaluate an
+    array made on another thread's stream. Inside `mx.compile` tracing, where nothing can be
+    evaluated, the two run apart. A parameter replaced later (`load_weights`,
     `update`, sharding, requantizing) is noticed by identity and the arrays are made again
     from the new ones, so stale weights are never read."""
     if x.ndim < 2:
         raise ValueError(f"paired_matmul takes rows [..., S, K], got shape {x.shape}")
     rows = x.shape[-2]
     second_rows = rows if second_rows is None else second_rows
-    pair = _current_pair(first, second)  # made at the first call, so not in a later decode step
-    if pair is None or second_rows != rows:  # apart: over other rows Metal may pick another kernel
+    # Apart where q reads fewer rows: over other rows Metal may pick another kernel.
+    pair = None if second_rows != rows else _current_pair(first, second)
+    if pair is None:
         return first.matmul(x), second.matmul(x[..., rows - second_rows:, :])
     out = mx.quantized_matmul(x, *pair.packed, transpose=True, group_size=first.group_size,
                               bits=first.bits, mode=first.mode)
@@ -242,6 +246,7 @@ class _FusedPair:
         self.packed = (arrays["weight"], arrays["scales"], arrays.get("biases"))
         self.views = tuple({n: a[:self.split] for n, a in arrays.items()} if i == 0 else
                            {n: a[self.split:] for n, a in arrays.items()} for i in range(2))
+        mx.eval(arrays, self.views)  # before the linears take the views (see paired_matmul)
         self.absent = tuple(n for n in PACKED if n not in arrays)
         for module, views in zip((first, second), self.views):
             for name, view in views.items():
@@ -266,7 +271,13 @@ def _current_pair(first: QuantLinear, second: QuantLinear) -> Optional[_FusedPai
         return pair
     if not can_pair(first, second):
         return None
-    pair = first._fused_pair = _FusedPair(first, second)
+    try:
+        pair = _FusedPair(first, second)
+    except ValueError as error:  # inside mx.compile / vmap tracing: nothing can be evaluated
+        if "function transformations" not in str(error):
+            raise
+        return None
+    first._fused_pair = pair
     return pair
 
 

@@ -32,6 +32,7 @@ from ..model.quant import ACT_FP8_BLOCK
 from ..model.rope import RoPE
 from .builder import build_kernel, metal_applies
 from .check import KernelMismatch, verified
+from .rope_products import angles_of
 
 OUTPUTS = ("y", "y32", "fp8")  # the bf16 result, its fp32 copy, its act_fp8 rounding
 ROW_THREADS = 256  # threads per row: the width is halved down to this (a pairwise level each)
@@ -130,9 +131,7 @@ def _rotation(rope, positions, length: int):
     layers of a call), as `RoPE.__call__` reads `positions`; placeholders without RoPE."""
     if rope is None:
         return _placeholder(), _placeholder()
-    if not isinstance(positions, mx.array):
-        positions = (int(positions), length)
-    return rope.cos_sin(positions)
+    return angles_of(rope, positions, length)
 
 
 @functools.cache

@@ -100,7 +100,7 @@ class LazyHostSinkhorn:
     returns its input unevaluated (the NumPy step launches nothing in MLX)."""
 
     def __init__(self):
-        import mlx_v41.kernels.mhc as module
+        import mlx_v41.numerics.mhc as module
 
         self.module, self.real, self.calls = module, module.sinkhorn_host, 0
 

@@ -8,7 +8,7 @@ import re
 import sys
 
 from mlx_v41.model.config import ConfigError
-from mlx_v41.checkpoint.safetensors_io import CheckpointError
+from mlx_v41.errors import CheckpointError
 
 from .pipeline import DEFAULT_SHARD_SIZE, convert
 from .recipes import DTYPES, MODE_DEFAULTS, PRESETS

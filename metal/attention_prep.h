@@ -1,6 +1,6 @@
 // Helpers of the attention-prep kernels (window_rows, rope_products, index_queries): the E8M0
 // scale decode of the packed window ring and the RoPE turn of one channel, each the exact fp32
-// arithmetic of the MLX ops (mlx_v41.model.quant, mlx_v41.model.rope). Plain MSL; included
+// arithmetic of the MLX ops (mlx_v41.numerics.quant, mlx_v41.numerics.rope). Plain MSL; included
 // after v41_common.h.
 
 // E8M0 byte b -> 2^(b - 127) as quant.e8m0_to_float decodes it (b = 0: 2^-127; b = 255: NaN).

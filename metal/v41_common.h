@@ -1,5 +1,5 @@
 // Shared helpers for the mlx_v41 kernels: the E4M3FN / E2M1 / E8M0 codecs and the packed cache
-// rows of mlx_v41.model.quant. Every rounding decision uses integer or exact
+// rows of mlx_v41.numerics.quant. Every rounding decision uses integer or exact
 // fp32 arithmetic, so results are bit-identical to mlx_v41.quant whatever the GPU's division
 // accuracy. Plain MSL; helpers take attribute values as arguments.
 #include <metal_stdlib>

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_v41.kernels import Kernels
-from mlx_v41.model.rope import shared_rope
+from mlx_v41.numerics.rope import shared_rope
 
 DATA = Path(__file__).parent / "data"
 GOLDENS = DATA / "goldens"

@@ -17,7 +17,7 @@ import mlx_v41
 from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8, build_act_fp8
-from mlx_v41.model.fp8_activation import act_fp8_qdq
+from mlx_v41.numerics.fp8_activation import act_fp8_qdq
 from tests.metal_sim import SimOptions, metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")

@@ -29,7 +29,7 @@ from mlx_v41.kernels.rope_products import (CHECK_TOLERANCE as ROPE_TOLERANCE,
 from mlx_v41.kernels.swa_ring import swa_ring_update_ops
 from mlx_v41.kernels.window_rows import (build_checked_window_rows, build_window_rows,
                                          window_rows, window_rows_ops)
-from mlx_v41.model.rope import RoPE
+from mlx_v41.numerics.rope import RoPE
 from tests.metal_sim import SimOptions, metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")

@@ -19,7 +19,7 @@ import pytest
 
 import mlx_v41
 from conftest import DATA, reference_ops
-from mlx_v41.model.mhc import collapse
+from mlx_v41.numerics.mhc import collapse
 from mlx_v41.model.shared import BlockInputs
 
 pytestmark = pytest.mark.usefixtures("cpu")

@@ -217,7 +217,7 @@ def test_positions_past_the_maximum_are_refused(prompt):
 
 
 def test_rope_at_the_last_position_is_computed_not_tabulated():
-    from mlx_v41.model.rope import RoPE
+    from mlx_v41.numerics.rope import RoPE
     rope = RoPE(64, 160000.0, {"rope_type": "yarn", "factor": 16, "beta_fast": 32,
                                "beta_slow": 1, "original_max_position_embeddings": 65536})
     x = mx.ones((1, 1, 64))

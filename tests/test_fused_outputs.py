@@ -6,8 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_v41.kernels.mhc import mhc_ops
-from mlx_v41.model.mhc import expand, expand_pair
+from mlx_v41.numerics.mhc import expand, expand_pair, mhc_ops
 from mlx_v41.model.moe import Router, _sqrt_softplus
 
 pytestmark = pytest.mark.usefixtures("cpu")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import mlx_v41
-import mlx_v41.kernels.mhc as mhc_module
+import mlx_v41.numerics.mhc as mhc_module
 from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
-from mlx_v41.kernels.mhc import HOST_SINKHORN_TOKENS, mhc_ops, sinkhorn_host, sinkhorn_ops
+from mlx_v41.numerics.mhc import HOST_SINKHORN_TOKENS, mhc_ops, sinkhorn_host, sinkhorn_ops
 
 pytestmark = pytest.mark.usefixtures("cpu")
 

@@ -1,6 +1,7 @@
-"""The package's modules import each other without cycles at import time (README, "Layout"):
-the `from ... import` statements at the top level of every module under mlx_v41/, resolved to
-modules, form a graph with no cycle. Imports inside functions (deferred) are not counted."""
+"""The package is one stack that only points down (docs/architecture.md): every import between
+modules of mlx_v41/, read from the source with the imports inside functions included, goes to
+a module of the same layer or of a layer below, and the modules import each other without
+cycles."""
 
 import ast
 import collections
@@ -10,19 +11,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "mlx_v41"
 
+# The stack, bottom first: each folder (or top-level module) imports only from itself and the
+# layers before it. The `__main__` modules and `mlx_v41/generate.py` are command entry points
+# (the cli layer); `mlx_v41/__init__.py` is the public API on top of everything.
+STACK = ("errors", "numerics", "kernels", "cache", "model", "generation", "chat", "checkpoint",
+         "distributed", "server", "cli")
+ENTRY_POINTS = {"mlx_v41.generate", "mlx_v41.__main__"}
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(modules: dict) -> dict:
-    """{module: modules its top-level `from X import Y` statements load (X, and X.Y when Y
-    is a submodule)}; `from . import m` inside a package counts only m."""
+def package_modules() -> dict:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(modules: dict) -> dict:
+    """{module: the package's modules it imports anywhere in its source (`from X import Y`
+    counts X, and X.Y when Y is a submodule; `from . import m` counts only m)}."""
     edges = collections.defaultdict(set)
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges[name] |= {a.name for a in node.names} & modules.keys() - {name}
+                continue
             if not isinstance(node, ast.ImportFrom):
                 continue
             if node.level:
@@ -36,6 +51,20 @@ def top_level_imports(modules: dict) -> dict:
                 continue
             edges[name] |= ({target} & modules.keys() | subs) - {name}
     return edges
+
+
+def layer(module: str) -> int:
+    """The module's height in STACK (the public API above it all)."""
+    if module == "mlx_v41":
+        return len(STACK)
+    if module in ENTRY_POINTS or module.endswith(".__main__"):
+        return STACK.index("cli")
+    return STACK.index(module.split(".")[1])
+
+
+def upward(edges: dict) -> list:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                  if layer(b) > layer(a))
 
 
 def cycles(edges: dict) -> list:
@@ -69,14 +98,45 @@ def cycles(edges: dict) -> list:
     return found
 
 
+def test_every_module_has_a_layer():
+    modules = package_modules()
+    assert len(modules) > 50, "the walk found too few modules"
+    for name in modules:
+        layer(name)  # a folder missing from STACK raises ValueError here
+
+
+def test_no_import_points_up_the_stack():
+    edges = imports(package_modules())
+    assert "mlx_v41.numerics.quant" in edges["mlx_v41.kernels.act_fp8"], \
+        "the parser found no imports"
+    assert upward(edges) == []
+
+
+def test_numerics_imports_nothing_else_of_the_package():
+    edges = imports(package_modules())
+    outside = {f"{a} -> {b}" for a, targets in edges.items() if a.startswith("mlx_v41.numerics")
+               for b in targets if not b.startswith("mlx_v41.numerics")}
+    assert outside == set()
+
+
 def test_no_import_cycles_between_modules():
-    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
-    edges = top_level_imports(modules)
-    assert edges["mlx_v41.generation.api"], "the parser found no imports"  # it reads them
+    edges = imports(package_modules())
     assert cycles(edges) == []
 
 
-def test_the_check_finds_a_cycle():
+def test_the_checks_find_an_upward_edge_and_a_cycle():
+    assert upward({"mlx_v41.kernels.norm": {"mlx_v41.model.layers", "mlx_v41.numerics.norm"},
+                   "mlx_v41.chat.__main__": {"mlx_v41.cli.chat"}}) == \
+        ["mlx_v41.kernels.norm -> mlx_v41.model.layers"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     with pytest.raises(AssertionError):
         assert cycles({"x": {"y"}, "y": {"x"}}) == []
+
+
+def test_function_level_imports_are_read(tmp_path):
+    source = tmp_path / "mlx_v41" / "kernels" / "x.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("def f():\n    from ..model import layers\n")
+    modules = {"mlx_v41.kernels.x": source, "mlx_v41.model.layers": source,
+               "mlx_v41.model": source}
+    assert imports(modules)["mlx_v41.kernels.x"] == {"mlx_v41.model", "mlx_v41.model.layers"}

@@ -16,7 +16,7 @@ from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8_ops
 from mlx_v41.kernels.fp4_pack import build_checked_fp4_pack, fp4_pack_ops
 from mlx_v41.kernels.index_queries import index_queries_ops
-from mlx_v41.kernels.mhc import mhc_expand_ops, mhc_ops
+from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from mlx_v41.kernels.norm import norm_ops
 from mlx_v41.kernels.rope_products import rope_products_ops
 from mlx_v41.kernels.router import router_ops

@@ -16,8 +16,8 @@ import pytest
 from mlx_v41.kernels import fp4_pack as fp4_mod
 from mlx_v41.kernels import sparse_attention as attn_mod
 from mlx_v41.kernels import swa_ring as ring_mod
-from mlx_v41.model.fp8_activation import act_fp8_qdq
-from mlx_v41.model.quant import (e4m3_to_float, float_to_e4m3, fp4_e4m3_qdq, fp4_e8m0_qdq,
+from mlx_v41.numerics.fp8_activation import act_fp8_qdq
+from mlx_v41.numerics.quant import (e4m3_to_float, float_to_e4m3, fp4_e4m3_qdq, fp4_e8m0_qdq,
                                  pack_fp4_e4m3, unpack_fp4_e4m3, unpack_fp4_e8m0, unpack_fp8_e8m0)
 from tests.metal_sim import SimOptions, metal_kernel
 

@@ -14,8 +14,8 @@ import pytest
 import mlx_v41
 from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
-from mlx_v41.kernels.mhc import (CHECK_TOLERANCE, build_mhc, build_mhc_expand, mhc, mhc_expand_ops,
-                                   mhc_ops)
+from mlx_v41.kernels.mhc import CHECK_TOLERANCE, build_mhc, build_mhc_expand, mhc
+from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from tests.metal_sim import SimOptions, metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")

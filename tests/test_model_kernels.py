@@ -12,7 +12,7 @@ import pytest
 
 import mlx_v41
 from mlx_v41.kernels import Kernels
-from mlx_v41.kernels.mhc import mhc_expand_ops, mhc_ops
+from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from conftest import golden_checkpoint
 from tests.metal_sim import SimOptions, metal_kernel
 

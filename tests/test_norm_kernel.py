@@ -21,7 +21,7 @@ from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.norm import (OUTPUTS, build_checked_norm, build_norm, check_close, norm,
                                   norm_ops, threads_for)
-from mlx_v41.model.rope import RoPE
+from mlx_v41.numerics.rope import RoPE
 from tests.metal_sim import SimOptions, metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")

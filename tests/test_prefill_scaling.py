@@ -41,7 +41,7 @@ def tiny():
 def _evaluations(model, ids, monkeypatch) -> tuple:
     """(mx.eval calls, NumPy Sinkhorns) of a chunked prefill of `ids` (chunks of 8), from an
     empty cache."""
-    import mlx_v41.kernels.mhc as mhc
+    import mlx_v41.numerics.mhc as mhc
 
     calls, host = [], []
     real, real_host = mx.eval, mhc.sinkhorn_host

@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_v41.model import fp8_activation as fp8
-from mlx_v41.model import quant
+from mlx_v41.numerics import fp8_activation as fp8
+from mlx_v41.numerics import quant
 
 pytestmark = pytest.mark.usefixtures("cpu")
 

@@ -194,7 +194,7 @@ def test_converted_shares_that_do_not_fit_the_packing_are_one_line():
     """A requantized folder (affine, other group sizes or bits): a share must hold whole
     scale groups and whole uint32 words."""
     from mlx_v41.checkpoint import slicing
-    from mlx_v41.checkpoint.safetensors_io import CheckpointError
+    from mlx_v41.errors import CheckpointError
 
     share = slicing.Shard("in", 576, 1152, 1152)  # the shared expert's down_proj, rank 1 of 2
     four_bit = SimpleNamespace(bits=4, group_size=64)

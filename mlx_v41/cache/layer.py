@@ -23,7 +23,7 @@ from ..kernels import Kernels
 from ..kernels.fp4_pack import fp4_pack
 from ..kernels.swa_ring import swa_ring_update
 from ..kernels.window_rows import recent_rows, window_rows
-from ..model.quant import unpack_fp8_e8m0
+from ..numerics.quant import unpack_fp8_e8m0
 
 GROW_STEP = 256  # rows added when a compressed cache fills
 ENGRAM_KEPT = 512  # Engram ids kept: > the most a trim can undo (one ring) + the n-gram history

@@ -14,7 +14,7 @@ from mlx_lm.tokenizer_utils import (NaiveStreamingDetokenizer, StreamingDetokeni
                                     TokenizerWrapper)
 
 from . import format as cf
-from ..checkpoint.safetensors_io import CheckpointError
+from ..errors import CheckpointError
 
 # Tokens the renderer emits for a plain conversation; each must be one token of the vocabulary.
 CHAT_TOKENS = (cf.BOS, cf.EOS, cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK_START, cf.THINK_END)

@@ -22,7 +22,8 @@ from ..model.engram import EngramRows
 from ..model.layers import configure_quantization
 from . import slicing
 from .loader import data_start, engram_tables, no_dspark, no_vision
-from .safetensors_io import CheckpointError, SafetensorsFile
+from ..errors import CheckpointError
+from .safetensors_io import SafetensorsFile
 
 MANIFEST = "mlx_v41_convert.json"
 FORMAT_PREFIX = "mlx_v41.convert/"

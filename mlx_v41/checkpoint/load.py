@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..model.config import ModelArgs
-from .safetensors_io import CheckpointError
+from ..errors import CheckpointError
 
 # Payload bytes hashed at each end of a published shard: other values under the same header
 # (another seed or fine-tune of one config) change them, and reading them costs nothing.

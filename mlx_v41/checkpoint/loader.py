@@ -18,9 +18,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model.engram import EngramRows, EngramTable
-from ..model.quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
+from ..numerics.quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
 from . import slicing
-from .safetensors_io import CheckpointError, SafetensorsFile
+from ..errors import CheckpointError
+from .safetensors_io import SafetensorsFile
 
 # Storage kinds: "plain" (BF16/F32, cast to the parameter dtype), "fp8" (F8_E4M3 weight +
 # F8_E8M0 32x32 block scale), "fp8_grouped" (fp8 split into output groups: wo_a),

@@ -14,6 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..errors import CheckpointError
+
 # safetensors dtype -> (numpy storage dtype, bytes per element)
 STORAGE = {
     "BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4),
@@ -22,10 +24,6 @@ STORAGE = {
     "F8_E4M3": (np.uint8, 1), "F8_E8M0": (np.uint8, 1),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the real index headers are < 1 MB per shard
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, truncated or inconsistent; the message names it."""
 
 
 class SafetensorsFile:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.quant import WEIGHT_BLOCK
-from .safetensors_io import CheckpointError
+from ..numerics.quant import WEIGHT_BLOCK
+from ..errors import CheckpointError
 
 ALL = slice(None)
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .safetensors_io import CheckpointError
+from ..errors import CheckpointError
 
 DEMO = "demo"  # --model value that builds and uses the demo checkpoint (mlx_v41.demo)
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")

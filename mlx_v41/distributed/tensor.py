@@ -25,7 +25,7 @@ from ..checkpoint.slicing import Shard
 from ..model.layers import QuantLinear, allocate_quantized, round_act_fp8
 from ..model.model import Model
 from ..model.moe import MoE
-from ..model.quant import WEIGHT_BLOCK
+from ..numerics.quant import WEIGHT_BLOCK
 from .link import Link, is_backend_error
 
 

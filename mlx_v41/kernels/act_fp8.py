@@ -13,8 +13,8 @@ import functools
 
 import mlx.core as mx
 
-from ..model.fp8_activation import act_fp8_qdq
-from ..model.quant import ACT_FP8_BLOCK
+from ..numerics.fp8_activation import act_fp8_qdq
+from ..numerics.quant import ACT_FP8_BLOCK
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
 

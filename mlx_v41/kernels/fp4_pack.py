@@ -11,7 +11,7 @@ import functools
 
 import mlx.core as mx
 
-from ..model.quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
+from ..numerics.quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
 from .builder import build_kernel, metal_applies
 from .check import assert_equal, verified
 

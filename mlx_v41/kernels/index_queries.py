@@ -17,8 +17,8 @@ import functools
 
 import mlx.core as mx
 
-from ..model.quant import FP4_E8M0_BLOCK, fp4_e8m0_qdq
-from ..model.rope import RoPE
+from ..numerics.quant import FP4_E8M0_BLOCK, fp4_e8m0_qdq
+from ..numerics.rope import RoPE
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import KernelMismatch, assert_close, verified
 from .rope_products import angles_of, applies, probe_input

@@ -25,11 +25,11 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from ..model.fp8_activation import act_fp8_qdq
-from ..model.layers import PAIRWISE_LEAF, rms_norm, rms_norm_pair
-from ..model.mhc import collapse
-from ..model.quant import ACT_FP8_BLOCK
-from ..model.rope import RoPE
+from ..numerics.fp8_activation import act_fp8_qdq
+from ..numerics.norm import PAIRWISE_LEAF, rms_norm, rms_norm_pair
+from ..numerics.mhc import collapse
+from ..numerics.quant import ACT_FP8_BLOCK
+from ..numerics.rope import RoPE
 from .builder import build_kernel, metal_applies
 from .check import KernelMismatch, verified
 from .rope_products import angles_of

@@ -15,7 +15,7 @@ import functools
 
 import mlx.core as mx
 
-from ..model.rope import RoPE
+from ..numerics.rope import RoPE
 from .builder import build_kernel, metal_applies
 from .check import assert_close, verified
 

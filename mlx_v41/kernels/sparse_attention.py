@@ -15,7 +15,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ..model.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
+from ..numerics.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
 from .builder import build_kernel, device_buffer, metal_applies
 from .check import assert_close, verified
 

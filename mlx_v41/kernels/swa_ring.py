@@ -15,8 +15,8 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ..model.fp8_activation import act_fp8_qdq, pack_fp8_e8m0
-from ..model.quant import ACT_FP8_BLOCK
+from ..numerics.fp8_activation import act_fp8_qdq, pack_fp8_e8m0
+from ..numerics.quant import ACT_FP8_BLOCK
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
 

@@ -14,7 +14,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ..model.quant import ACT_FP8_BLOCK, unpack_fp8_e8m0
+from ..numerics.quant import ACT_FP8_BLOCK, unpack_fp8_e8m0
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
 from .swa_ring import swa_ring_update_ops

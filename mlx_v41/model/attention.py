@@ -23,8 +23,7 @@ from .layers import (QuantLinear, RMSNorm, allocate_quantized, batch_rows, paire
 from ..kernels.norm import norm, uses_norm_kernel
 from ..kernels.rope_products import rope_of_products
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
-from .quant import unpack_fp4_e8m0
-from .rope import shared_rope
+from ..numerics.rope import shared_rope
 
 # Query rows x index heads x key rows scored at once: 16 MiB of fp32 per intermediate. A
 # block is at least one query row against one key block, so at the real widths and long

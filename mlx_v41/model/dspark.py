@@ -16,9 +16,10 @@ from ..kernels.sparse_attention import attend
 from .attention import add_projections
 from .config import TextConfig
 from .layers import QuantLinear, RMSNorm, head_logits, round_act_fp8
-from .mhc import HyperConnection, collapse, expand
+from ..numerics.mhc import collapse, expand
+from .mhc import HyperConnection
 from .moe import MoE
-from .rope import shared_rope
+from ..numerics.rope import shared_rope
 
 MAIN_NORM_EPS = 1e-20  # main_norm's eps in the reference, not the text model's
 

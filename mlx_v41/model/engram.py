@@ -15,8 +15,8 @@ import numpy as np
 
 from ..cache.layer import ENGRAM_KEPT
 from .layers import QuantLinear
-from .quant import e4m3_to_float, e8m0_to_float
-from ..checkpoint.safetensors_io import CheckpointError
+from ..numerics.quant import e4m3_to_float, e8m0_to_float
+from ..errors import CheckpointError
 
 GATE_FLOOR = 1e-6  # clamp on |dot| before the signed square root
 ROW_GROUP = 32  # values per E8M0 scale within a row

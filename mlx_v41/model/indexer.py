@@ -13,7 +13,7 @@ import mlx.nn as nn
 from ..kernels import Kernels
 from ..kernels.index_queries import index_queries
 from .layers import Linear, QuantLinear, RMSNorm
-from .rope import RoPE
+from ..numerics.rope import RoPE
 
 NEG_INF = float("-inf")
 INDEX_BITS = 24  # row index bits in the tie-breaking sort key (16M rows)

@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from ..kernels import Kernels
 from ..kernels.builder import metal_applies
-from ..kernels.mhc import along, chain_sum, mhc, mhc_expand
+from ..kernels.mhc import mhc, mhc_expand
+from ..numerics.mhc import expand_pair
 
 
 class HyperConnection(nn.Module):
@@ -58,46 +59,3 @@ class HyperConnection(nn.Module):
         return (streams, *self(streams, kernels, streams32, squares))
 
 
-def collapse(streams: mx.array, pre: mx.array) -> mx.array:
-    """`hc_pre`: bf16 of the pre-weighted sum of the copies, [B, S, n, D] -> [B, S, D]."""
-    return _compiled_collapse(streams, pre)
-
-
-@mx.compile
-def _compiled_collapse(streams: mx.array, pre: mx.array) -> mx.array:
-    terms = [w * s[..., 0, :].astype(mx.float32)
-             for w, s in zip(along(pre, -1), along(streams, -2))]
-    return chain_sum(terms, 0.0).astype(streams.dtype)
-
-
-def expand(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """`hc_post`: copy b = post_b * y + sum_a comb[a, b] * residual_a, in fp32, rounded to bf16.
-    `y` is the bf16 block output, or fp32 products that round to it (rounded here, fused)."""
-    return _compiled_expand(y, residual, post, comb)
-
-
-def expand_pair(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array):
-    """`expand`, its bf16 result as fp32 and the squares of that (for the next mixes, whose
-    RMS would otherwise square them in a kernel of their own), from one fused kernel."""
-    return _compiled_expand_pair(y, residual, post, comb)
-
-
-@mx.compile
-def _compiled_expand_pair(y, residual, post, comb):
-    out = _expand(y, residual, post, comb)
-    out32 = out.astype(mx.float32)
-    return out, out32, out32 * out32
-
-
-@mx.compile
-def _compiled_expand(y, residual, post, comb) -> mx.array:
-    return _expand(y, residual, post, comb)
-
-
-def _expand(y, residual, post, comb) -> mx.array:
-    # [B, S, n(b), D] from the n terms a: comb row a [B, S, n(b), 1] x residual a [B, S, 1, D]
-    terms = [row.swapaxes(-1, -2) * r.astype(mx.float32)
-             for row, r in zip(along(comb, -2), along(residual, -2))]
-    y = y[..., None, :].astype(mx.bfloat16).astype(mx.float32)
-    out = post[..., None] * y + chain_sum(terms, 0.0)
-    return out.astype(residual.dtype)

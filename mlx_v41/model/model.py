@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -19,15 +18,16 @@ import mlx.nn as nn
 from ..cache.layer import LayerCache, rollback_limit
 from ..kernels import Kernels
 from ..kernels.norm import norm, uses_norm_kernel
+from ..numerics.mhc import collapse, expand
 from .attention import Attention
 from .config import ModelArgs, TextConfig
 from .dspark import DSpark
 from .engram import Engram
 from .engram_hash import EngramHasher
 from .layers import HEAD_DTYPES, RMSNorm, head_logits
-from .mhc import HyperConnection, collapse, expand
+from .mhc import HyperConnection
 from .moe import MoE
-from .prefill import PREFILL_MODES, run_forward
+from .prefill import PREFILL_MODES, ModelOutput, run_forward
 from .schedule import decoder_start, layer_roles
 from .shared import BlockInputs, ForwardState
 from .vision.aligner import Aligner
@@ -197,16 +197,6 @@ def _next(layers: list, k: int, halo: Optional[list] = None):
     if halo is not None and not halo[k + 1][0] == halo[k + 1][1] == halo[k][1]:
         return None
     return layers[k + 1]
-
-
-@dataclass
-class ModelOutput:
-    """`Model.forward`'s result: logits [B, S or 1, vocab] float32, and the taps: layer ->
-    [B, rows, D] bf16, the mean over the 4 copies of the streams entering that layer for the
-    last `rows` positions of the call (every row a layer computed; fewer in a CED decoder)."""
-
-    logits: mx.array
-    taps: dict = field(default_factory=dict)
 
 
 class Model(nn.Module):

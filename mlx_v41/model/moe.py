@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from ..kernels import Kernels
 from ..kernels.builder import metal_applies
-from ..kernels.mhc import along, chain_sum
+from ..numerics.mhc import along, chain_sum
 from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
 from ..kernels.swiglu import compiled_swiglu_of_products, swiglu, swiglu_act_fp8
 from .layers import (QuantLinear, allocate_quantized, batch_rows, paired_matmul,

@@ -11,6 +11,7 @@ A call is atomic: the cache changes only if it completes (`cache.layer.transacti
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
@@ -47,8 +48,6 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
                 runner=None):
     """`Model.forward`: checks the inputs, picks the strategy, runs it atomically (`runner`:
     a `Run` subclass, e.g. a pipeline stage's)."""
-    from .model import ModelOutput
-
     ids = _as_ids(ids)
     cache = model.make_cache() if cache is None else cache
     _check_inputs(model, ids, cache, embeddings, step_size, teacher)
@@ -81,6 +80,16 @@ def write_draft_rings(model, cache: list, taps: dict, end: int) -> None:
     main_x = model.dspark.main_x([taps[layer][:, -rows:] for layer in layers])
     model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], main_x, end - rows,
                              model.kernels)
+
+
+@dataclass
+class ModelOutput:
+    """`Model.forward`'s result: logits [B, S or 1, vocab] float32, and the taps: layer ->
+    [B, rows, D] bf16, the mean over the 4 copies of the streams entering that layer for the
+    last `rows` positions of the call (every row a layer computed; fewer in a CED decoder)."""
+
+    logits: mx.array
+    taps: dict = field(default_factory=dict)
 
 
 class Chunk(NamedTuple):

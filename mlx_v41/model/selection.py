@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from . import indexer as indexer_mod
 from .indexer import INDEX_BITS, NEG_INF, sort_key
-from .quant import unpack_fp4_e8m0
+from ..numerics.quant import unpack_fp4_e8m0
 
 ROW_MASK = (1 << INDEX_BITS) - 1
 NEG_INF_ORDER = 0x7FFFFF  # sort-key score part of -inf (bits 0xFF800000, order-mapped)

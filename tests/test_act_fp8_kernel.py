@@ -7,8 +7,6 @@ and all-zero blocks (the 1e-4 floor), negative values, and fp32 products whose b
 (ties included) is the activation; bf16 / f16 / fp32 inputs and outputs, races and coverage
 checked."""
 
-import functools
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,12 +16,10 @@ from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8, build_act_fp8
 from mlx_v41.numerics.fp8_activation import act_fp8_qdq
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import checked
+from tests.metal_sim import metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")
-
-checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
-                                                             check_coverage=True))
 
 
 def _e4m3_grid() -> np.ndarray:

@@ -10,9 +10,6 @@ subnormals and zero blocks included, so these tests ask for the ops' bits. Then 
 fallback, and the tiny golden model with the kernels against its ops: the same logits (measured
 difference 0) over a two-chunk prefill and two decode steps."""
 
-import functools
-import warnings
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,13 +27,10 @@ from mlx_v41.kernels.swa_ring import swa_ring_update_ops
 from mlx_v41.kernels.window_rows import (build_checked_window_rows, build_window_rows,
                                          window_rows, window_rows_ops)
 from mlx_v41.numerics.rope import RoPE
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import checked, not_compiling, sim, warnings_of, zeros
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
-checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
-                                                             check_coverage=True))
-sim = functools.partial(metal_kernel, options=SimOptions())
 YARN = {"original_max_position_embeddings": 65536, "factor": 16.0, "beta_fast": 32,
         "beta_slow": 1}
 E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -173,35 +167,14 @@ def test_dispatchers_keep_the_ops_where_the_kernels_do_not_apply():
                           rope_products_ops(x, rope, mx.arange(2))).item()
 
 
-class _Zeros:
-    """A kernel that runs but returns zeros."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, **call):
-        return [mx.zeros_like(out) for out in self.kernel(**call)]
-
-
-def _not_compiling(**spec):
-    return sim(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
-
-
-def _wrong(**spec):
-    return _Zeros(sim(**spec))
-
-
-@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
-                                            (_wrong, "KernelMismatch")])
+@pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
+                                            (zeros, "KernelMismatch")])
 @pytest.mark.parametrize("build,ops,name", [
     (build_checked_window_rows, window_rows_ops, "v41_window_rows"),
     (build_checked_rope_products, rope_products_ops, "v41_rope_products"),
     (build_checked_index_queries, index_queries_ops, "v41_index_queries")])
 def test_a_broken_kernel_warns_once_and_runs_its_ops(factory, reason, build, ops, name):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run = build(factory)
-    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    run, messages = warnings_of(build, factory)
     assert run is ops
     assert len(messages) == 1 and name in messages[0] and reason in messages[0], messages
 

@@ -4,7 +4,6 @@ naming the kernel and the ops from then on. Forced in the Metal simulator with a
 that does not compile and with a kernel whose outputs are wrong, and with the production
 builders here, where MLX's kernels cannot run (no Metal)."""
 
-import functools
 import warnings
 
 import mlx.core as mx
@@ -24,11 +23,10 @@ from mlx_v41.kernels.sparse_attention import sparse_attention_ops
 from mlx_v41.kernels.swa_ring import swa_ring_update_ops
 from mlx_v41.kernels.swiglu import swiglu_act_fp8_ops
 from mlx_v41.kernels.window_rows import window_rows_ops
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import not_compiling, sim, warnings_of, zeros
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
-sim = functools.partial(metal_kernel, options=SimOptions())
 OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
        "v41_sparse_attention": ("sparse_attention", sparse_attention_ops),
        "v41_swa_ring_update": ("swa_ring_update", swa_ring_update_ops),
@@ -44,28 +42,7 @@ OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
 
 
 def _build(factory):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        kernels = Kernels.build(factory, check=True, inexact=True)
-    return kernels, [str(w.message) for w in caught if w.category is RuntimeWarning]
-
-
-def _not_compiling(**spec):
-    return sim(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
-
-
-class _Zeros:
-    """A kernel that runs but returns zeros."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, **call):
-        return [mx.zeros_like(out) for out in self.kernel(**call)]
-
-
-def _wrong(**spec):
-    return _Zeros(sim(**spec))
+    return warnings_of(Kernels.build, factory, check=True, inexact=True)
 
 
 def test_kernels_that_pass_are_kept():
@@ -75,8 +52,8 @@ def test_kernels_that_pass_are_kept():
         assert getattr(kernels, field) is not ops
 
 
-@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
-                                            (_wrong, "KernelMismatch")])
+@pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
+                                            (zeros, "KernelMismatch")])
 def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason, goldens):
     kernels, messages = _build(factory)
     assert len(messages) == len(OPS)

@@ -19,10 +19,8 @@ from mlx_v41.kernels import swa_ring as ring_mod
 from mlx_v41.numerics.fp8_activation import act_fp8_qdq
 from mlx_v41.numerics.quant import (e4m3_to_float, float_to_e4m3, fp4_e4m3_qdq, fp4_e8m0_qdq,
                                  pack_fp4_e4m3, unpack_fp4_e4m3, unpack_fp4_e8m0, unpack_fp8_e8m0)
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import checked, sim  # sim: strict, poisoned outputs
 
-sim = functools.partial(metal_kernel, options=SimOptions())  # strict, poisoned outputs
-checked = functools.partial(metal_kernel, options=SimOptions(check_races=True, check_coverage=True))
 has_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device (macOS)")
 pytestmark = pytest.mark.usefixtures("cpu")
 F32 = np.float32

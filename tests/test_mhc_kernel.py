@@ -5,8 +5,6 @@ up to 1.2e-6 relative at D = 512); metal/mhc_expand.metal (the previous side's e
 mixes) with the same tolerance for the mixes and the copies within one bf16 ulp, almost all
 equal; and block sides of the tiny golden model."""
 
-import functools
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,12 +14,9 @@ from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.mhc import CHECK_TOLERANCE, build_mhc, build_mhc_expand, mhc
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import checked
 
 pytestmark = pytest.mark.usefixtures("cpu")
-
-checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
-                                                             check_coverage=True))
 
 
 def _close(got, want):

@@ -5,8 +5,6 @@ the attention kernel's stated bf16-level tolerance (its probabilities are rounde
 the simulator runs on the host; the real kernels are compared with their ops on a Metal device
 in test_kernels.py."""
 
-import functools
-
 import mlx.core as mx
 import pytest
 
@@ -14,7 +12,7 @@ import mlx_v41
 from mlx_v41.kernels import Kernels
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from conftest import golden_checkpoint
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import sim
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
@@ -22,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("cpu")
 @pytest.fixture(scope="module")
 def models():
     simulated = mlx_v41.load_model(golden_checkpoint("tiny"))
-    simulated.kernels = Kernels.build(functools.partial(metal_kernel, options=SimOptions()))
+    simulated.kernels = Kernels.build(sim)
     reference = mlx_v41.load_model(golden_checkpoint("tiny"))
     reference.kernels = Kernels(use=False)
     return simulated, reference
@@ -64,7 +62,7 @@ def test_every_metal_path_kernel_through_the_simulator(goldens):
     kernels are the exception (their n*D-long sums run in another order; within 2^-15 at each
     block side, test_mhc_kernel.py, which this chaotic model amplifies to 0.19 by position 12),
     so here they run as their ops."""
-    kernels = Kernels.build(functools.partial(metal_kernel, options=SimOptions()), inexact=True)
+    kernels = Kernels.build(sim, inexact=True)
     kernels.mhc, kernels.mhc_expand = mhc_ops, mhc_expand_ops
     calls = {}
 

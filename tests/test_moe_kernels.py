@@ -26,7 +26,6 @@ against their ops, and the MoE's fused routed sum + combine against today's form
 """
 
 import functools
-import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -41,13 +40,10 @@ from mlx_v41.kernels.swiglu import (build_checked_swiglu_act_fp8, build_swiglu_a
                                     swiglu_act_fp8, swiglu_act_fp8_ops)
 from mlx_v41.model.layers import round_act_fp8
 from mlx_v41.model.moe import _add_shared, _bf16_rounded, _routed_and_shared
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import checked, not_compiling, returning, sim, warnings_of
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
-checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
-                                                             check_coverage=True))
-sim = functools.partial(metal_kernel, options=SimOptions())
 ROUTER_TOLERANCE = 2.0 ** -19   # of the row's largest weight (measured 2^-21.5)
 SWIGLU_BLOCK_TOLERANCE = 2.0 ** -3  # of the block's amax: one E4M3 step at its top
 SWIGLU_DIFFERING = 1e-3  # at most this fraction of values differing (measured 0)
@@ -236,29 +232,20 @@ def test_swiglu_act_fp8_dispatcher():
     assert len(calls) == 1 and calls[0][2:] == (None, 7.0)
 
 
-def _not_compiling(**spec):
-    return sim(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
+_ONES = returning(lambda outputs: [mx.zeros_like(out) + 1 for out in outputs], name="ones")
 
 
-def _wrong(**spec):
-    kernel = sim(**spec)
-    return lambda **call: [mx.zeros_like(out) + 1 for out in kernel(**call)]
-
-
-@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
-                                            (_wrong, "KernelMismatch")])
+@pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
+                                            (_ONES, "KernelMismatch")])
 @pytest.mark.parametrize("build,name,ops", [
     (build_checked_router, "v41_router", router_ops),
     (build_checked_swiglu_act_fp8, "v41_swiglu_act_fp8", swiglu_act_fp8_ops)])
 def test_a_failing_kernel_warns_once_and_runs_its_ops(build, name, ops, factory, reason):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert build(factory) is ops
-    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    run, messages = warnings_of(build, factory)
+    assert run is ops
     assert len(messages) == 1 and name in messages[0] and reason in messages[0], messages
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert build(sim) is not ops and not caught
+    run, caught = warnings_of(build, sim, category=None)
+    assert run is not ops and not caught
 
 
 @pytest.mark.parametrize("k", [6, 2, 1])

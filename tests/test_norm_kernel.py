@@ -10,7 +10,6 @@ order. Races and coverage checked; odd widths (leaves of 12 and 10 channels, 96 
 threads), zero rows, rows spanning 2^±60, bf16 ties in the products."""
 
 import functools
-import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -22,12 +21,10 @@ from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.norm import (OUTPUTS, build_checked_norm, build_norm, check_close, norm,
                                   norm_ops, threads_for)
 from mlx_v41.numerics.rope import RoPE
-from tests.metal_sim import SimOptions, metal_kernel
+from tests.kernel_faults import checked, not_compiling, returning, warnings_of
+from tests.metal_sim import metal_kernel
 
 pytestmark = pytest.mark.usefixtures("cpu")
-
-checked = functools.partial(metal_kernel, options=SimOptions(check_races=True,
-                                                             check_coverage=True))
 
 
 @functools.cache
@@ -187,27 +184,16 @@ def test_dispatcher_keeps_the_ops_where_the_kernel_does_not_apply():
         norm(x, mx.ones((64,)), 1e-6, outputs=("z",))
 
 
-def _not_compiling(**spec):
-    return checked(**{**spec, "source": spec["source"] + "\nthis is not Metal;"})
+def _one_ulp_up(outputs):
+    """The bf16 outputs one ulp up everywhere (too many flips)."""
+    y, y32, q8 = outputs
+    return [(y.view(mx.uint16) + 1).view(mx.bfloat16), y32, q8]
 
 
-def _off_by_one(**spec):
-    """A kernel whose bf16 outputs are one ulp up everywhere (too many flips)."""
-    kernel = checked(**spec)
-
-    def call(**kwargs):
-        y, y32, q8 = kernel(**kwargs)
-        return [(y.view(mx.uint16) + 1).view(mx.bfloat16), y32, q8]
-    return call
-
-
-@pytest.mark.parametrize("factory,reason", [(_not_compiling, "MetalCompileError"),
-                                            (_off_by_one, "KernelMismatch")])
+@pytest.mark.parametrize("factory,reason", [(not_compiling(checked), "MetalCompileError"),
+                                            (returning(_one_ulp_up, checked), "KernelMismatch")])
 def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run = build_checked_norm(factory)
-    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    run, messages = warnings_of(build_checked_norm, factory)
     assert run is norm_ops
     assert len(messages) == 1 and "v41_norm" in messages[0] and reason in messages[0], messages
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the reference goldens copied into tests/data/goldens (see its README)."""
+"""Shared fixtures: the reference goldens copied into tests/data/goldens (see its README), the
+tiny golden model (`tiny_model`, `tiny_ops`), MLX's CPU backend for a module (`cpu`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+import mlx_v41
 from mlx_v41.kernels import Kernels
 from mlx_v41.numerics.rope import shared_rope
 
@@ -59,6 +61,26 @@ def mlx_launch(n: int) -> list:
 def ckpt(tmp_path) -> Path:
     """A writable copy of the tiny golden checkpoint."""
     return writable_copy(golden_checkpoint("tiny"), tmp_path / "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A factory of tiny golden models, a fresh one per call: `tiny_model(kernels)` with those
+    `Kernels` (`Kernels(use=False)`: the reference ops), `tiny_model()` with the default ones;
+    keyword arguments go to `mlx_v41.load_model` (`dspark=True`, `prefill_mode=...`)."""
+    def load(kernels: Kernels | None = None, **kwargs):
+        model = mlx_v41.load_model(golden_checkpoint("tiny"), **kwargs)
+        if kernels is not None:
+            model.kernels = kernels
+        return model
+    return load
+
+
+@pytest.fixture(scope="module")
+def tiny_ops(tiny_model):
+    """One tiny golden model on the reference ops for a whole test module (not to be changed
+    by a test: the module's other tests share it)."""
+    return tiny_model(Kernels(use=False))
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8, build_act_fp8
 from mlx_v41.numerics.fp8_activation import act_fp8_qdq
@@ -127,7 +125,7 @@ def test_dispatcher_keeps_the_ops_where_the_kernel_does_not_apply():
     assert len(calls) == 1 and calls[0][1:] == (mx.float32, True)
 
 
-def test_model_with_the_kernel_equals_the_ops(goldens):
+def test_model_with_the_kernel_equals_the_ops(goldens, tiny_model):
     """The tiny golden model with every act_fp8 through the simulated kernel: the same logits,
     bit for bit, as on the ops; every call site of the decoder stack reaches the kernel."""
     kernel, calls = build_act_fp8(metal_kernel), []
@@ -136,10 +134,8 @@ def test_model_with_the_kernel_equals_the_ops(goldens):
         calls.append(args[0].shape)
         return kernel(*args)
 
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
-    model.kernels = Kernels(act_fp8=counted)
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+    model = tiny_model(Kernels(act_fp8=counted))
+    reference = tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :12].astype(mx.int32)
     assert mx.array_equal(model(ids), reference(ids)).item()
     layers = len(model.model.layers)

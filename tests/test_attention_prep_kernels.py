@@ -14,8 +14,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.index_queries import (CHECK_TOLERANCE as INDEX_TOLERANCE,
                                            build_checked_index_queries, build_index_queries,
@@ -179,10 +177,10 @@ def test_a_broken_kernel_warns_once_and_runs_its_ops(factory, reason, build, ops
     assert len(messages) == 1 and name in messages[0] and reason in messages[0], messages
 
 
-def test_indexer_reads_the_attentions_rounded_queries(goldens):
+def test_indexer_reads_the_attentions_rounded_queries(goldens, tiny_model):
     """`Indexer.queries` on the attention's `q_b_proj.prepare(qr)` (the same act_fp8 values)
     equals its own rounding of qr."""
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model = tiny_model()
     attention = model.model.layers[2].self_attn
     rng = np.random.default_rng(2)
     x = mx.array(rng.standard_normal((1, 3, 128)).astype(np.float32)).astype(mx.bfloat16)
@@ -194,10 +192,10 @@ def test_indexer_reads_the_attentions_rounded_queries(goldens):
         assert mx.array_equal(a, b).item()
 
 
-def test_query_rope_on_a_model_layer():
+def test_query_rope_on_a_model_layer(tiny_model):
     """The tiny golden's layer-2 queries (YaRN RoPE) from their products, as the attention
     computes them today (`rope(q_b_proj(qr))`): the same bits."""
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model = tiny_model()
     attention = model.model.layers[2].self_attn
     qr = mx.array(np.random.default_rng(3).standard_normal((2, 3, 64)).astype(np.float32))
     qr = qr.astype(mx.bfloat16)
@@ -208,7 +206,7 @@ def test_query_rope_on_a_model_layer():
                attention.rope(attention.q_b_proj(qr).reshape(shape), 70))
 
 
-def test_model_with_the_kernels_equals_the_ops(goldens):
+def test_model_with_the_kernels_equals_the_ops(goldens, tiny_model):
     """The tiny golden model with window_rows and index_queries through the simulator (each
     call counted): the ops' logits over a two-chunk prefill and two decode steps (measured
     difference 0: both kernels give the ops' bits here)."""
@@ -220,11 +218,9 @@ def test_model_with_the_kernels_equals_the_ops(goldens):
             return run(*args)
         return call
 
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
-    model.kernels = Kernels(window_rows=counted("window_rows", build_window_rows(sim)),
-                            index_queries=counted("index_queries", build_index_queries(sim)))
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+    model = tiny_model(Kernels(window_rows=counted("window_rows", build_window_rows(sim)),
+                               index_queries=counted("index_queries", build_index_queries(sim))))
+    reference = tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :14].astype(mx.int32)
     caches = model.make_cache(), reference.make_cache()
     for chunk in (ids[:, :8], ids[:, 8:12], ids[:, 12:13], ids[:, 13:14]):

@@ -21,8 +21,8 @@ CHI2_DF3_P001 = 16.27  # chi-square bound, 3 degrees of freedom, p = 0.001
 
 
 @pytest.fixture(scope="module")
-def tiny(goldens):
-    model = mlx_v41.load_model(golden_checkpoint("tiny"), dspark=True)
+def tiny(goldens, tiny_model):
+    model = tiny_model(dspark=True)
     return model, goldens("tiny").prompt[:50].tolist()
 
 

@@ -5,16 +5,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 
 # Exact equalities between different computations: they hold on the CPU backend.
 pytestmark = pytest.mark.usefixtures("cpu")
 
 
 @pytest.fixture(scope="module")
-def hasher():
-    return mlx_v41.load_model(golden_checkpoint("tiny")).engram_hasher
+def hasher(tiny_model):
+    return tiny_model().engram_hasher
 
 
 @pytest.mark.parametrize("history", [None, [], [7], [3, 9, 11], [-1, 5, 6]])

@@ -10,9 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
 import mlx_v41.numerics.mhc as mhc_module
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.numerics.mhc import HOST_SINKHORN_TOKENS, mhc_ops, sinkhorn_host, sinkhorn_ops
 
@@ -107,11 +105,11 @@ def test_a_device_where_the_bits_differ_keeps_the_ops(monkeypatch):
         mhc_module.host_sinkhorn_exact.cache_clear()
 
 
-def test_decode_runs_the_sinkhorn_in_numpy_with_the_same_logits(monkeypatch):
+def test_decode_runs_the_sinkhorn_in_numpy_with_the_same_logits(monkeypatch, tiny_model):
     """A decode step calls `sinkhorn_host` twice per layer (both block sides) and gives the
     logits of the all-MLX graph (`Kernels(host_sinkhorn=False)`) bit for bit; the prompt's
     prefill (more than HOST_SINKHORN_TOKENS tokens) does not call it."""
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model = tiny_model()
     calls = Calls(monkeypatch)
     ids = mx.array(np.arange(3, 3 + HOST_SINKHORN_TOKENS + 16)[None], dtype=mx.int32)
     results = {}

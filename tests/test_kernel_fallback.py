@@ -9,8 +9,6 @@ import warnings
 import mlx.core as mx
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8_ops
 from mlx_v41.kernels.fp4_pack import build_checked_fp4_pack, fp4_pack_ops
@@ -54,17 +52,14 @@ def test_kernels_that_pass_are_kept():
 
 @pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
                                             (zeros, "KernelMismatch")])
-def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason, goldens):
+def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason, goldens, tiny_model):
     kernels, messages = _build(factory)
     assert len(messages) == len(OPS)
     for name, (field, ops) in OPS.items():
         assert sum(f"kernel {name} failed" in m and reason in m for m in messages) == 1, \
             (name, messages)
         assert getattr(kernels, field) is ops
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
-    model.kernels = kernels
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+    model, reference = tiny_model(kernels), tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :24].astype(mx.int32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further warning once built
@@ -82,7 +77,7 @@ def test_production_kernel_without_metal_falls_back_with_one_warning():
 
 @pytest.mark.metal
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device (macOS)")
-def test_every_kernel_passes_its_self_check_on_device(goldens):
+def test_every_kernel_passes_its_self_check_on_device(goldens, tiny_model):
     """The Mac checklist's first line: Apple's compiler builds every kernel (the fused ones
     too) and each matches its ops on its probe, so none falls back; then the tiny golden
     model on the GPU with every kernel stays close to the CPU's ops (the mHC kernels and the
@@ -94,10 +89,7 @@ def test_every_kernel_passes_its_self_check_on_device(goldens):
     assert [str(w.message) for w in caught if w.category is RuntimeWarning] == []
     for name, (field, ops) in OPS.items():
         assert getattr(kernels, field) is not ops, name
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
-    model.kernels = kernels
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+    model, reference = tiny_model(kernels), tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :6].astype(mx.int32)
     with mx.stream(mx.gpu):
         got = model(ids)

@@ -9,8 +9,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.mhc import CHECK_TOLERANCE, build_mhc, build_mhc_expand, mhc
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
@@ -39,9 +37,9 @@ def test_mhc_kernel_matches_ops(lead, dim, iters):
     _close(build_mhc(checked)(*args), mhc_ops(*args))
 
 
-def test_mhc_kernel_on_a_model_block(goldens):
+def test_mhc_kernel_on_a_model_block(goldens, tiny_model):
     """The tiny golden's layer-3 attention side on the streams its prefill hands that layer."""
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model = tiny_model()
     captured = {}
     model(goldens("tiny").prompt[None, :9].astype(mx.int32), capture=captured)
     streams = captured["layers.2.out"]
@@ -82,14 +80,14 @@ def test_mhc_expand_kernel_matches_ops(lead, dim, iters, y_dtype):
     _close(got[1:], want[1:])
 
 
-def test_mhc_expand_kernel_in_a_model_block(goldens):
+def test_mhc_expand_kernel_in_a_model_block(goldens, tiny_model):
     """The tiny golden's blocks with each expand and the next side's mixes through the kernel
     (Block's `after_expand` within a block, and its final expand handing the next block its
     attention-side mixes): the same block outputs as the ops, to the tolerance of the copies'
     bf16 rounding; and the kernel is what ran."""
     ids = goldens("tiny").prompt[None, :9].astype(mx.int32)
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    fused = mlx_v41.load_model(golden_checkpoint("tiny"))
+    reference = tiny_model()
+    fused = tiny_model()
     calls = []
     run = build_mhc_expand(checked)
     fused.kernels = Kernels(mhc_expand=lambda *a: calls.append(1) or run(*a))

@@ -8,21 +8,17 @@ in test_kernels.py."""
 import mlx.core as mx
 import pytest
 
-import mlx_v41
 from mlx_v41.kernels import Kernels
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
-from conftest import golden_checkpoint
 from tests.kernel_faults import sim
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
 
 @pytest.fixture(scope="module")
-def models():
-    simulated = mlx_v41.load_model(golden_checkpoint("tiny"))
-    simulated.kernels = Kernels.build(sim)
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+def models(tiny_model):
+    simulated = tiny_model(Kernels.build(sim))
+    reference = tiny_model(Kernels(use=False))
     return simulated, reference
 
 
@@ -44,17 +40,16 @@ def test_forward_through_simulated_kernels(models, goldens):
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="checks the fallback on machines without Metal")
-def test_dispatchers_fall_back_to_ops_without_metal(goldens):
+def test_dispatchers_fall_back_to_ops_without_metal(goldens, tiny_model):
     """A default model (kernels on) equals one on the ops: without Metal every dispatcher
     falls back."""
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
+    model = tiny_model()
     ids = goldens("tiny").prompt[None, :20].astype(mx.int32)
-    off = mlx_v41.load_model(golden_checkpoint("tiny"))
-    off.kernels = Kernels(use=False)
+    off = tiny_model(Kernels(use=False))
     assert mx.array_equal(model(ids), off(ids))
 
 
-def test_every_metal_path_kernel_through_the_simulator(goldens):
+def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
     """The Metal path as a Mac runs it: every kernel, the fused ones too (`inexact=True`:
     norms, router, SwiGLU, window rows, query RoPE, index queries), through the simulator, each
     called, gives the ops' logits bit for bit over a prefill and two decode steps: the fused
@@ -75,10 +70,8 @@ def test_every_metal_path_kernel_through_the_simulator(goldens):
     fields = [f for f in vars(kernels) if callable(getattr(kernels, f))]
     for field in fields:
         setattr(kernels, field, counted(field, getattr(kernels, field)))
-    simulated = mlx_v41.load_model(golden_checkpoint("tiny"))
-    simulated.kernels = kernels
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+    simulated = tiny_model(kernels)
+    reference = tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :12].astype(mx.int32)
     cs, cr = simulated.make_cache(), reference.make_cache()
     assert mx.array_equal(simulated.prefill(ids, cs, last_only=False),

@@ -31,8 +31,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.router import (build_checked_router, build_router, by_id, router,
                                     router_logits, router_ops, select_ops)
@@ -263,15 +261,6 @@ def test_routed_sum_and_combine_fused_keep_the_bits(k):
     assert mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item()
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    def load(kernels):
-        model = mlx_v41.load_model(golden_checkpoint("tiny"))
-        model.kernels = kernels
-        return model
-    return load
-
-
 def _logits(model, ids: mx.array) -> mx.array:
     """8 prompt positions, then two decode steps, concatenated."""
     cache = model.make_cache()
@@ -281,7 +270,7 @@ def _logits(model, ids: mx.array) -> mx.array:
     return mx.concatenate(steps, axis=1)
 
 
-def test_model_with_the_kernels_matches_the_ops(tiny, goldens):
+def test_model_with_the_kernels_matches_the_ops(tiny_model, goldens):
     calls = {"router": 0, "swiglu": 0}
 
     def counted(name, run):
@@ -291,9 +280,9 @@ def test_model_with_the_kernels_matches_the_ops(tiny, goldens):
         return call
 
     ids = goldens("tiny").prompt[None, :8].astype(mx.int32)
-    model = tiny(Kernels(router=counted("router", build_router(sim)),
-                         swiglu_act_fp8=counted("swiglu", build_swiglu_act_fp8(sim))))
-    reference = tiny(Kernels(use=False))
+    model = tiny_model(Kernels(router=counted("router", build_router(sim)),
+                               swiglu_act_fp8=counted("swiglu", build_swiglu_act_fp8(sim))))
+    reference = tiny_model(Kernels(use=False))
     got, want = _logits(model, ids), _logits(reference, ids)
     assert mx.abs(got - want).max().item() < LOGITS_TOLERANCE
     layers = len(model.model.layers)
@@ -301,19 +290,19 @@ def test_model_with_the_kernels_matches_the_ops(tiny, goldens):
     assert calls == {"router": 3 * layers, "swiglu": 6 * layers}, (calls, layers)
 
 
-def test_model_on_the_kernels_ops_keeps_the_bits(tiny, goldens):
+def test_model_on_the_kernels_ops_keeps_the_bits(tiny_model, goldens):
     """The fused path with each kernel's ops in its place (what a failed self-check leaves):
     the reference's logits bit for bit, and the same with the experts' act_fp8 input given."""
     ids = goldens("tiny").prompt[None, :8].astype(mx.int32)
-    model = tiny(Kernels(router=router_ops, swiglu_act_fp8=swiglu_act_fp8_ops))
-    reference = tiny(Kernels(use=False))
+    model = tiny_model(Kernels(router=router_ops, swiglu_act_fp8=swiglu_act_fp8_ops))
+    reference = tiny_model(Kernels(use=False))
     assert mx.array_equal(_logits(model, ids), _logits(reference, ids)).item()
 
 
-def test_moe_takes_its_fp8_input_and_records_from_the_ops(tiny):
+def test_moe_takes_its_fp8_input_and_records_from_the_ops(tiny_model):
     """`x_fp8` replaces the MoE's own act_fp8 of x (same bits); with `record` the router is
     the ops' even where its kernel is set, and the recorded picks are the ones used."""
-    moe = tiny(Kernels(use=False)).model.layers[1].mlp
+    moe = tiny_model(Kernels(use=False)).model.layers[1].mlp
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 5, 128)).astype(np.float32)).astype(mx.bfloat16)
     off = Kernels(use=False)

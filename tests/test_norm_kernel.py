@@ -15,8 +15,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.norm import (OUTPUTS, build_checked_norm, build_norm, check_close, norm,
                                   norm_ops, threads_for)
@@ -198,7 +196,7 @@ def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason):
     assert len(messages) == 1 and "v41_norm" in messages[0] and reason in messages[0], messages
 
 
-def test_model_with_the_kernel_matches_the_ops(goldens):
+def test_model_with_the_kernel_matches_the_ops(goldens, tiny_model):
     """The tiny golden model with every norm chain through the simulated kernel (4 per layer
     and the final norm): prompt logits and two decode steps equal the ops' (measured: bit for
     bit; the test allows 1e-3, well under the chaotic model's spread for a one-ulp flip)."""
@@ -208,10 +206,8 @@ def test_model_with_the_kernel_matches_the_ops(goldens):
         calls.append(args[0].shape)
         return kernel(*args)
 
-    model = mlx_v41.load_model(golden_checkpoint("tiny"))
-    model.kernels = Kernels(norm=counted)
-    reference = mlx_v41.load_model(golden_checkpoint("tiny"))
-    reference.kernels = Kernels(use=False)
+    model = tiny_model(Kernels(norm=counted))
+    reference = tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :8].astype(mx.int32)
     cache, cache_ref = model.make_cache(), reference.make_cache()
     got, want = model(ids, cache=cache), reference(ids, cache=cache_ref)

@@ -17,8 +17,6 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-import mlx_v41
-from conftest import golden_checkpoint
 from mlx_v41.model import layers
 from mlx_v41.model.layers import QuantLinear, allocate_quantized, can_pair, paired_matmul
 
@@ -186,8 +184,8 @@ def test_metal_kernel_classes():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return mlx_v41.load_model(golden_checkpoint("tiny"))
+def tiny(tiny_model):
+    return tiny_model()
 
 
 def _run(model, ids):
@@ -218,7 +216,7 @@ def test_model_bits_equal_unpaired(tiny, goldens, monkeypatch):
         assert mx.array_equal(a, b).item()
 
 
-def test_model_update_after_a_forward_is_used(tiny, goldens):
+def test_model_update_after_a_forward_is_used(tiny, goldens, tiny_model):
     """Swap two layers' kv / q_a / shared-expert weights after a forward: the next forward
     equals a model that had them before its first."""
     ids = goldens("tiny").prompt[None, :6].astype(mx.int32)
@@ -229,7 +227,7 @@ def test_model_update_after_a_forward_is_used(tiny, goldens):
         for n in ("weight", "scales"):
             swapped[f"model.layers.0.{name}.{n}"] = params[f"model.layers.1.{name}.{n}"]
     tiny.load_weights(list(swapped.items()), strict=False)
-    fresh = mlx_v41.load_model(golden_checkpoint("tiny"))
+    fresh = tiny_model()
     fresh.load_weights(list(swapped.items()), strict=False)
     for a, b in zip(_run(tiny, ids), _run(fresh, ids)):
         assert mx.array_equal(a, b).item()

@@ -7,8 +7,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_v41
-from conftest import golden_checkpoint, reference_ops
 from mlx_v41.model.indexer import sort_key, top_rows
 from mlx_v41.model.selection import _merge, finish
 
@@ -33,11 +31,6 @@ def test_running_top_k_equals_one_top_k(k, block):
     assert mx.array_equal(_running(scores, k, block), top_rows(scores, k))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return reference_ops(mlx_v41.load_model(golden_checkpoint("tiny")))
-
-
 def _evaluations(model, ids, monkeypatch) -> tuple:
     """(mx.eval calls, NumPy Sinkhorns) of a chunked prefill of `ids` (chunks of 8), from an
     empty cache."""
@@ -54,7 +47,7 @@ def _evaluations(model, ids, monkeypatch) -> tuple:
 
 
 @pytest.mark.parametrize("host_sinkhorn", [False, True])
-def test_one_evaluation_per_chunk_at_any_context(tiny, goldens, monkeypatch, host_sinkhorn):
+def test_one_evaluation_per_chunk_at_any_context(tiny_ops, goldens, monkeypatch, host_sinkhorn):
     """Key blocks of 8 rows and one query row per score block: 3 chunks and 11 chunks of 8
     tokens evaluate exactly once per chunk (the chunk's own evaluation), the last chunk of
     the longer prompt scoring 11 key blocks per index layer. A first run makes the constants
@@ -67,24 +60,24 @@ def test_one_evaluation_per_chunk_at_any_context(tiny, goldens, monkeypatch, hos
 
     monkeypatch.setattr(indexer, "KEY_BLOCK", 8)
     monkeypatch.setattr(attention, "SCORE_BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(tiny.kernels, "host_sinkhorn", host_sinkhorn)
+    monkeypatch.setattr(tiny_ops.kernels, "host_sinkhorn", host_sinkhorn)
     prompt = goldens("tiny").prompt[None].astype(mx.int32)
     assert prompt.shape[1] >= 88
     for length in (24, 88):
-        _evaluations(tiny, prompt[:, :length], monkeypatch)
-        evaluations, host = _evaluations(tiny, prompt[:, :length], monkeypatch)
+        _evaluations(tiny_ops, prompt[:, :length], monkeypatch)
+        evaluations, host = _evaluations(tiny_ops, prompt[:, :length], monkeypatch)
         assert evaluations - host == length // 8
-        sides = 2 * tiny.cfg.num_hidden_layers * (length // 8)
+        sides = 2 * tiny_ops.cfg.num_hidden_layers * (length // 8)
         assert (sides // 2 < host <= sides) if host_sinkhorn else host == 0, (host, sides)
 
 
-def test_blocked_prefill_equals_unblocked_at_the_last_chunk(tiny, goldens, monkeypatch):
+def test_blocked_prefill_equals_unblocked_at_the_last_chunk(tiny_ops, goldens, monkeypatch):
     """The same prompt, selections blocked over 8-row key blocks (several per layer, so the
     running top-k drops earlier picks) or in one block: identical logits."""
     import mlx_v41.model.indexer as indexer
 
     prompt = goldens("tiny").prompt[None, :88].astype(mx.int32)
-    whole = tiny.prefill(prompt, tiny.make_cache(), step_size=8)
+    whole = tiny_ops.prefill(prompt, tiny_ops.make_cache(), step_size=8)
     monkeypatch.setattr(indexer, "KEY_BLOCK", 8)
-    blocked = tiny.prefill(prompt, tiny.make_cache(), step_size=8)
+    blocked = tiny_ops.prefill(prompt, tiny_ops.make_cache(), step_size=8)
     assert mx.array_equal(blocked, whole)

@@ -97,7 +97,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         path: folder with config.json, model.safetensors.index.json and the shards (published
             layout), or a converted folder (it holds mlx_v41_convert.json).
         compat_reference_index_k_bug: reproduce the reference's stale index-key handle at decode
-            (README.md, "Deviations from the reference"); only for parity tests against it.
+            (docs/correctness.md, "Deviations from the reference"); only for parity tests.
         prefill_mode: "ced" (default: exact encoder-only prefill with the decoder halo),
             "full" (every layer over every row, like the reference) or "ced_replay" (the tech
             report's bounded replay: APPROXIMATE, opt-in).
@@ -114,8 +114,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             at full size, BF16) for image prompts. None (default): when the checkpoint has
             it; True: required (CheckpointError without it); False: left unread.
         head_dtype: the LM head's weights: "float32" (default, the reference's fp32 head) or
-            "bfloat16" (half the bytes a token reads; the logits are rounded to bf16, README
-            "Deviations from the reference").
+            "bfloat16" (half the bytes a token reads; the logits are rounded to bf16, see
+            docs/correctness.md, "Deviations from the reference").
         build: makes the model from (args, **options) instead of `Model` (a pipeline stage,
             `mlx_v41.distributed`; one with `partial = True` leaves the tensors of the modules
             it dropped unread).

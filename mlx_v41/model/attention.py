@@ -196,7 +196,7 @@ class Attention(nn.Module):
 
     def _index_keys(self, ctx: ForwardState, owner) -> mx.array:
         """Own packed index keys; with the compat switch, the reference's stale index-key
-        handle at decode (README.md, "Deviations from the reference")."""
+        handle at decode (docs/correctness.md, "Deviations from the reference")."""
         role, source = self.role, ctx.compat_index_k_source
         stale = (source is not None and role.owns_index_k and role.ratio > 1
                  and ctx.end - ctx.start == 1 and ctx.start % 2 == 0)

@@ -25,7 +25,7 @@ HEAD_DTYPES = ("float32", "bfloat16")
 def head_logits(hidden: mx.array, weight: mx.array) -> mx.array:
     """fp32 logits of bf16 rows against the LM head `weight` [V, D]. fp32 weights: an fp32
     matmul (the reference). bf16 weights: a bf16 matmul (exact products, fp32 accumulation),
-    so the logits carry its bf16 output rounding (README, "Deviations from the reference")."""
+    so the logits carry its bf16 rounding (docs/correctness.md, "Deviations from the reference")."""
     if weight.dtype == mx.bfloat16:
         return (hidden.astype(mx.bfloat16) @ weight.T).astype(mx.float32)
     return hidden.astype(mx.float32) @ weight.T

@@ -32,11 +32,19 @@ def prompt(checkpoint: Path) -> mx.array:
     return ids[None, :PROMPT_ROWS].astype(mx.int32)
 
 
-def scenario(load, checkpoint: Path, on_step=None) -> dict:
+def one_process():
+    from mlx_v41.generation.group import ONE_PROCESS
+
+    return ONE_PROCESS
+
+
+def scenario(load, checkpoint: Path, on_step=None, is_group: bool = False) -> dict:
     """Logits of: an exact CED prefill (last row), a full prefill (every row), a chunked CED
-    prefill, and greedy decode steps after it (the token every rank agrees on)."""
+    prefill, and greedy decode steps after it (the token every rank agrees on; `is_group`:
+    `load` makes a group model, whose ranks agree through `model.group`)."""
     out = {}
     model = load("ced")
+    group = model.group if is_group else one_process()
     ids = prompt(checkpoint)
     out["ced_last"] = model(ids, model.make_cache(), last_only=True)
     out["full_all"] = model(ids, model.make_cache())  # every row: the full strategy
@@ -48,7 +56,7 @@ def scenario(load, checkpoint: Path, on_step=None) -> dict:
     out["chunked_last"] = logits
     steps = []
     for step in range(DECODE_STEPS):
-        token = model.agree_on_token(mx.argmax(logits[:, -1], axis=-1)[:, None])
+        token = group.agree_on_token(mx.argmax(logits[:, -1], axis=-1)[:, None])
         logits = model(token.astype(mx.int32), cache)
         steps.append(logits)
         if on_step is not None:
@@ -61,17 +69,17 @@ def scenario(load, checkpoint: Path, on_step=None) -> dict:
 IMAGE_CHUNK = 7  # puts chunk boundaries inside the image span
 
 
-def image_scenario(model, images) -> dict:
+def image_scenario(model, images, group=None) -> dict:
     """Logits of an image prompt (the vision golden's ids, one placeholder): a full prefill
     (every row), a chunked CED prefill and greedy decode steps after it; and the bytes rank 0
     sends for the full prefill with and without the images, and its all_sum bytes sharing the
-    prompt and the first call's image rows."""
-    from mlx_v41.distributed.prompt import prepare_shared_prompt
+    prompt and the first call's image rows. `group`: a group model's (None: one process)."""
     from vision_fixtures import prompt_before_expansion
 
-    link = getattr(model, "link", None)
+    link = None if group is None else group.link
+    group = one_process() if group is None else group
     before = link.reduced if link else 0
-    prompt = prepare_shared_prompt(model, prompt_before_expansion(), images)
+    prompt = group.prepare_prompt(model, prompt_before_expansion(), images)
     inputs = prompt.inputs(model)
     out, sent = {}, {"image_shared": (link.reduced if link else 0) - before}
     ids = mx.array([prompt.ids], mx.int32)
@@ -86,7 +94,7 @@ def image_scenario(model, images) -> dict:
     steps = []
     for _ in range(DECODE_STEPS // 2):
         token = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        token = model.agree_on_token(token) if link else token
+        token = group.agree_on_token(token)
         logits = model(token.astype(mx.int32), cache)
         steps.append(logits)
     out["image_decode"] = mx.concatenate(steps, axis=1)
@@ -103,14 +111,15 @@ def generate_args(checkpoint, images) -> list:
             "-m", "6", "--temp", "0.8", "--seed", "3"]
 
 
-def grow_greedy(model) -> np.ndarray:
-    """Greedy tokens after the `grow` golden's 5-token prompt."""
+def grow_greedy(model, group=None) -> np.ndarray:
+    """Greedy tokens after the `grow` golden's 5-token prompt (`group`: a group model's)."""
+    group = one_process() if group is None else group
     ids = mx.load(str(GROW_PROMPT))["prompt_ids"][None].astype(mx.int32)
     cache = model.make_cache()
     logits = model(ids, cache, last_only=True)
     tokens = []
     for _ in range(GROW_STEPS):
-        token = model.agree_on_token(mx.argmax(logits[:, -1], axis=-1)[:, None])
+        token = group.agree_on_token(mx.argmax(logits[:, -1], axis=-1)[:, None])
         tokens.append(token.item())
         logits = model(token.astype(mx.int32), cache)
     return np.array(tokens)
@@ -156,7 +165,7 @@ def main() -> int:
     if args.image is not None:
         try:
             model = load("ced", vision=True)
-            values, sent = image_scenario(model, args.image)
+            values, sent = image_scenario(model, args.image, model.group)
         except DistributedError as e:
             print(e, file=sys.stderr, flush=True)
             return 1
@@ -175,20 +184,21 @@ def main() -> int:
             np.savez(args.out / "logits.npz", **values)
         return 0
     try:
-        values = scenario(load, checkpoint, on_step)
+        values = scenario(load, checkpoint, on_step, is_group=True)
         model = models["ced"]
         link = model.link
         if tensor:
-            values["grow"] = grow_greedy(model)
+            values["grow"] = grow_greedy(model, model.group)
         if args.wide is not None:
             wide = scenario(lambda mode: start_tensor_parallel(args.wide, prefill_mode=mode,
-                                                               timeout=20)[0], args.wide)
+                                                               timeout=20)[0], args.wide,
+                            is_group=True)
             values.update({f"wide.{k}": v for k, v in wide.items()})
         sent = {}
         for name, ids in (("prefill", prompt(checkpoint)), ("decode", mx.array([[5]]))):
             before = (link.sent, link.reduced)
             logits = model(ids, models.setdefault("probe", model.make_cache()), last_only=True)
-            model.agree_on_token(mx.argmax(logits[:, -1], axis=-1))
+            model.group.agree_on_token(mx.argmax(logits[:, -1], axis=-1))
             sent[name] = (link.sent - before[0], link.reduced - before[1])
     except DistributedError as e:
         print(e, file=sys.stderr, flush=True)

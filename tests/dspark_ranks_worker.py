@@ -28,14 +28,17 @@ SEED = 5
 SAMPLED = dict(temp=1.0)  # measured on tiny: 4 of the drafter's drafts kept in 10 cycles
 
 
-def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5, sampled: bool = False) -> dict:
-    """DSpark decoding (greedy, or `SAMPLED` from `SEED`): its tokens, drafts accepted, every
-    cache entry's offset, a digest of the rows the drafter's rings hold (where it runs), and
-    a draw of the random state after the run."""
+def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5, sampled: bool = False,
+                  group=None) -> dict:
+    """DSpark decoding (greedy, or `SAMPLED` from `SEED`) by the processes of `group` (None:
+    one): its tokens, drafts accepted, every cache entry's offset, a digest of the rows the
+    drafter's rings hold (where it runs), and a draw of the random state after the run."""
+    from mlx_v41.generation.group import ONE_PROCESS
     from mlx_v41.generation.speculative import DraftStats, Sampling, speculative_steps
     from test_dspark import Oracle
 
-    drafter = None if truth is None or not model.drafts_here else \
+    group = ONE_PROCESS if group is None else group
+    drafter = None if truth is None or "dspark" not in model else \
         Oracle(model, ids[0].tolist(), truth, right)
     cache = model.make_cache()
     logits = model(ids, cache, last_only=True)
@@ -44,10 +47,10 @@ def greedy_dspark(model, ids: mx.array, truth=None, right: int = 5, sampled: boo
     sampling = Sampling(**SAMPLED) if sampled else Sampling()
     tokens = [int(t) for t, _, _ in speculative_steps(model, logits, cache, sampling=sampling,
                                                       max_tokens=STEPS, stats=stats,
-                                                      drafter=drafter)]
+                                                      drafter=drafter, group=group)]
     state = mx.random.randint(0, 2 ** 31 - 1, (2,)).tolist()
     rings = b""
-    if model.drafts_here:
+    if "dspark" in model:
         for ring in cache[model.cfg.num_hidden_layers:]:
             keys = model.dspark.ring_keys(ring, ring.offset).astype(mx.float32)
             rings += np.array(keys).tobytes()
@@ -73,11 +76,11 @@ def main() -> int:
     else:
         model, _ = start_pipeline(args.checkpoint, split=args.split, dspark=True, timeout=20)
     ids = prompt(Path(args.checkpoint))
-    report = {"drafter": greedy_dspark(model, ids),
-              "sampled": greedy_dspark(model, ids, sampled=True)}
+    report = {"drafter": greedy_dspark(model, ids, group=model.group),
+              "sampled": greedy_dspark(model, ids, sampled=True, group=model.group)}
     if args.truth is not None:
         truth = [int(t) for t in args.truth.split(",")]
-        report["oracle"] = greedy_dspark(model, ids, truth, args.right)
+        report["oracle"] = greedy_dspark(model, ids, truth, args.right, group=model.group)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{model.link.rank}.json").write_text(json.dumps(report))
     return 0

@@ -727,8 +727,8 @@ def test_dspark_pipeline_shares():
 
     first, last = share(0), share(1)
     assert "dspark" not in first and "dspark" in last and "embed_tokens" in last.model
-    assert not first.drafts_here and last.drafts_here and first.drafting
-    assert not first.holds_logits and last.holds_logits
+    assert first.drafting and last.drafting
+    assert not first.group.has_logits and last.group.has_logits
     cfg = first.cfg
     assert len(first.make_cache()) == len(last.make_cache()) == \
         cfg.num_hidden_layers + cfg.num_nextn_predict_layers

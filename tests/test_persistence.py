@@ -163,16 +163,11 @@ class StubLink:
         return mx.concatenate([x, mx.array(list(theirs), mx.uint8)])
 
 
-class Rank0:
-    """`model` as rank 0 of a 2-rank pipeline split at layer 6."""
+def rank0(other: dict):
+    """Rank 0 of a 2-rank pipeline split at layer 6."""
+    from mlx_v41.distributed.group import RankGroup
 
-    ranges = [(0, 6), (6, 12)]
-
-    def __init__(self, model, other: dict):
-        self.model, self.link = model, StubLink(other)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
+    return RankGroup(StubLink(other), [(0, 6), (6, 12)], is_pipeline=True)
 
 
 def test_a_group_save_lands_only_when_every_rank_wrote(tmp_path, model, prompt_cache):
@@ -181,9 +176,9 @@ def test_a_group_save_lands_only_when_every_rank_wrote(tmp_path, model, prompt_c
     path = saved(tmp_path / "s.bin", model)  # an older one-process file stays as it was
     before = path.read_bytes()
     with pytest.raises(OSError, match=r"^rank 1: disk full$"):
-        write_prompt_cache(path, prompt_cache, Rank0(model, {"error": "disk full"}), {})
+        write_prompt_cache(path, prompt_cache, model, {}, rank0({"error": "disk full"}))
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["s.bin"]
-    write_prompt_cache(path, prompt_cache, Rank0(model, {"error": None}), {"k": "v"})
+    write_prompt_cache(path, prompt_cache, model, {"k": "v"}, rank0({"error": None}))
     assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]  # rank 1's is on its machine
     group = json.loads(mx.load(str(path), format="safetensors", return_metadata=True)[1]["group"])
     assert group == {"rank": 0, "size": 2, "split": [[0, 6], [6, 12]]}
@@ -196,11 +191,11 @@ def test_a_group_load_is_used_only_if_every_rank_read_the_same_save(tmp_path, mo
     from mlx_v41.generation.prompt_reuse import read_prompt_cache, write_prompt_cache
 
     path = tmp_path / "s.bin"
-    write_prompt_cache(path, prompt_cache, Rank0(model, {"error": None}), {"k": "v"})
+    write_prompt_cache(path, prompt_cache, model, {"k": "v"}, rank0({"error": None}))
     save = json.loads(mx.load(str(path), format="safetensors",
                               return_metadata=True)[1]["user"])[SAVE_ID]
-    cache, meta = read_prompt_cache(path, Rank0(model, {"error": None, "save": save,
-                                                       "budget": 2}))
+    cache, meta = read_prompt_cache(path, model, rank0({"error": None, "save": save,
+                                                        "budget": 2}))
     assert meta == {"k": "v"} and {c.trim_budget for c in cache} == {2}  # the group's least
     assert cache[0].offset == prompt_cache[0].offset
     for other, message in (({"error": "s.bin.rank1-of-2: no such file"},
@@ -209,9 +204,9 @@ def test_a_group_load_is_used_only_if_every_rank_read_the_same_save(tmp_path, mo
                             f"{path}: rank 1's file is not from the same save as rank 0's "
                             "(save all ranks again)")):
         with pytest.raises(CacheError) as info:
-            read_prompt_cache(path, Rank0(model, other))
+            read_prompt_cache(path, model, rank0(other))
         assert str(info.value) == message
     one = saved(tmp_path / "one.bin", model)
     with pytest.raises(CacheError, match=r"^rank 0: .*one.bin: the cache was made by one "
                                          r"process; this is rank 0 of 2 \(pipeline 0-5, 6-11\)$"):
-        read_prompt_cache(one, Rank0(model, {"error": "not checked"}))
+        read_prompt_cache(one, model, rank0({"error": "not checked"}))

@@ -42,6 +42,13 @@ def fake_link(rank: int, size: int):
     return SimpleNamespace(rank=rank, size=size)
 
 
+def rank_group(link, is_pipeline: bool):
+    """A 2-rank group's `RankGroup` around a stand-in link."""
+    from mlx_v41.distributed.group import RankGroup
+
+    return RankGroup(link, "test split", is_pipeline)
+
+
 def load_share(folder, rank: int, size: int = 2, dspark: bool = False):
     link = fake_link(rank, size)
     return load_model(folder, dspark=dspark, vision=False,
@@ -254,12 +261,11 @@ def test_a_followers_prompt_rebuilds_the_token_types(tmp_path):
     model = load_model(vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS), dspark=False)
     prompt = prepare_prompt(model, prompt_before_expansion(), twin_images(tmp_path))
     grids = json.loads(json.dumps(span_grids(prompt)))
-    tensor = followed_prompt(SimpleNamespace(link=fake_link(1, 2)), prompt.ids, grids)
+    tensor = followed_prompt(rank_group(fake_link(1, 2), False), prompt.ids, grids)
     assert tensor.ids == prompt.ids and tensor.link.rank == 1
     assert np.array_equal(tensor.token_types, prompt.token_types)
     assert (prompt.token_types >= 0).sum() == 2 * TWIN_SPAN  # two spans
-    pipeline = followed_prompt(SimpleNamespace(link=fake_link(1, 2), stage=object()),
-                               prompt.ids, grids)
+    pipeline = followed_prompt(rank_group(fake_link(1, 2), True), prompt.ids, grids)
     assert pipeline.ids == prompt.ids and pipeline.inputs(model) is None
 
 
@@ -282,9 +288,8 @@ def test_a_followers_job_keeps_rank_0s_image_records(tmp_path):
         SimpleNamespace(prompt=prompt, settings=settings, reuse=None))))
     assert len(prompt.records()) == 2
     tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: None)
-    for share in (SimpleNamespace(link=fake_link(1, 2)),
-                  SimpleNamespace(link=fake_link(1, 2), stage=object())):
-        job = FollowerJob(record, share, tokenizer)
+    for group in (rank_group(fake_link(1, 2), False), rank_group(fake_link(1, 2), True)):
+        job = FollowerJob(record, group, tokenizer)
         assert job.prompt.ids == prompt.ids and job.prompt.records() == prompt.records()
 
 
@@ -316,7 +321,7 @@ def test_a_tower_failure_on_rank_0_fails_every_rank_alike(tmp_path):
         broken.inputs(model)
     assert not isinstance(raised.value, ValueError) or "rank 0 could not" not in str(raised.value)
     assert broken.link.calls == ["sharing whether the image rows were made"]
-    follower = followed_prompt(SimpleNamespace(link=Link(rank=1, size=2, calls=[])),
+    follower = followed_prompt(rank_group(Link(rank=1, size=2, calls=[]), False),
                                prompt.ids, json.loads(json.dumps(span_grids(prompt))))
     with pytest.raises(ValueError, match=r"^rank 0 could not compute the image rows \(its "
                                          r"error is on rank 0\); rank 1 stops this call too$"):

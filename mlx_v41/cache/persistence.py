@@ -54,16 +54,15 @@ def _parameter_fingerprint(model) -> str:
     return digest.hexdigest()
 
 
-def fingerprints(model) -> dict:
+def fingerprints(model, share: Optional[dict] = None) -> dict:
     """What a cache depends on, as metadata strings: config, weights and prefill mode (an
-    approximate `ced_replay` cache or another CED halo must not feed an exact model)."""
+    approximate `ced_replay` cache or another CED halo must not feed an exact model), and for
+    a rank's share of a group's cache, `share` ({"rank", "size", "split"}) as "group"."""
     prefill = {"prefill_mode": model.prefill_mode, "ced_rollback": model.ced_rollback}
     out = {"config": config_fingerprint(model), "weights": weights_fingerprint(model),
            "prefill": json.dumps(prefill, sort_keys=True)}
-    link = getattr(model, "link", None)  # a rank of a group holds its share of the cache
-    if link is not None:
-        out["group"] = json.dumps({"rank": link.rank, "size": link.size,
-                                   "split": model.ranges}, sort_keys=True)
+    if share is not None:
+        out["group"] = json.dumps(share, sort_keys=True)
     return out
 
 
@@ -101,15 +100,17 @@ def commit_staged(staged: Path, path) -> None:
         raise
 
 
-def stage_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None) -> Path:
+def stage_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None,
+                       share: Optional[dict] = None) -> Path:
     """Write what `save_prompt_cache` would to a new hidden sibling of `path`, returned for
-    the caller to rename to `path` (or delete): a failed write leaves nothing behind."""
+    the caller to rename to `path` (or delete): a failed write leaves nothing behind.
+    `share`: which rank's share of a group's cache this is (`fingerprints`)."""
     arrays, layers = {}, []
     for i, c in enumerate(cache):
         a, meta = _layer_state(i, c)
         arrays.update(a)
         layers.append(meta)
-    info = {"format": FORMAT, **fingerprints(model), "layers": json.dumps(layers),
+    info = {"format": FORMAT, **fingerprints(model, share), "layers": json.dumps(layers),
             "user": json.dumps(metadata or {})}
     # MLX appends `.safetensors` to any other name, so the sibling carries it.
     path = Path(path)
@@ -122,12 +123,13 @@ def stage_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None
     return tmp
 
 
-def load_prompt_cache(path, model, return_metadata: bool = False):
+def load_prompt_cache(path, model, return_metadata: bool = False,
+                      share: Optional[dict] = None):
     """A new cache list from `path`; refuses a file from another config, other weights or
-    another prefill mode."""
+    another prefill mode, or (`share`, as `stage_prompt_cache`'s) another rank's place."""
     path = Path(path)
     arrays, info = _read(path)
-    _check_origin(path, info, model)
+    _check_origin(path, info, model, share)
     layers = json.loads(info["layers"])
     cache = model.make_cache()
     if len(layers) != len(cache):
@@ -149,7 +151,7 @@ def _read(path: Path) -> tuple[dict, dict]:
         raise CacheError(f"{path}: not a readable prompt-cache file ({e})") from None
 
 
-def _check_origin(path: Path, info: dict, model) -> None:
+def _check_origin(path: Path, info: dict, model, share: Optional[dict]) -> None:
     found = info.get("format", "")
     if found != FORMAT and found.startswith(FORMAT_FAMILY):
         raise CacheError(f"{path}: prompt-cache format {found[len(FORMAT_FAMILY):]} from another "
@@ -157,7 +159,7 @@ def _check_origin(path: Path, info: dict, model) -> None:
                          "make the cache again")
     if found != FORMAT:
         raise CacheError(f"{path}: not an mlx_v41 prompt cache")
-    expected = fingerprints(model)
+    expected = fingerprints(model, share)
     if info.get("config") != expected["config"]:
         raise CacheError(f"{path}: the cache was made by a model with another config")
     if info.get("weights") != expected["weights"]:

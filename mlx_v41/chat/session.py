@@ -20,9 +20,10 @@ from ..generation.api import (DEFAULT_PREFILL_STEP_SIZE, GenerationResponse, che
 from ..generation.prompt_reuse import (PromptCache, read_prompt_cache, reuse_prompt_cache,
                                        write_prompt_cache)
 from ..generation.api import PrefillProgress
+from ..generation.group import ONE_PROCESS, ProcessGroup
 from ..generation.speculative import MAX_DRAFT_TOKENS, DraftStats, check_draft_settings
 from ..model.vision.preprocess import image_reference, load_image
-from ..model.vision.prompt import VISION_MISSING, ImagePrompt, has_vision, prepare_prompt
+from ..model.vision.prompt import VISION_MISSING, ImagePrompt, has_vision
 
 
 DEFAULT_MAX_TOKENS = 256  # mlx-lm chat's default
@@ -90,7 +91,8 @@ class ChatSession:
     the end of the last prompt; both are candidates for the next turn's prefix. `draft`,
     `num_draft_tokens` and `draft_confidence` are `stream_generate`'s (draft="dspark" decodes
     speculatively: the model loaded with dspark=True, `sampler` None or `mlx_v41.Sampling`);
-    they may change between turns.
+    they may change between turns. `group`: the processes running the model
+    (`generation.group`; a group model's ranks pass `model.group`).
     """
 
     def __init__(self, model, tokenizer, *, system_prompt: Optional[str] = None,
@@ -99,8 +101,9 @@ class ChatSession:
                  prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
                  show_progress: bool = False, draft: Optional[str] = None,
                  num_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 draft_confidence: Optional[float] = None):
-        self.model, self.tokenizer = model, tokenizer
+                 draft_confidence: Optional[float] = None,
+                 group: ProcessGroup = ONE_PROCESS):
+        self.model, self.tokenizer, self.group = model, tokenizer, group
         self.system_prompt, self.thinking = system_prompt, thinking
         self.reasoning_effort, self.max_tokens = reasoning_effort, max_tokens
         self.sampler, self.prefill_step_size = sampler, prefill_step_size
@@ -143,7 +146,7 @@ class ChatSession:
     def prepare(self, ids: list, images: list) -> ImagePrompt:
         """The placeholders of `ids` expanded with `images` (a session across ranks shares
         rank 0's)."""
-        return prepare_prompt(self.model, ids, images)
+        return self.group.prepare_prompt(self.model, ids, images)
 
     def reply(self, text: str, images: Sequence = ()) -> Iterator[GenerationResponse]:
         """Add a user message (after the attached images and `images`: paths, URLs, data URIs,
@@ -174,7 +177,7 @@ class ChatSession:
         progress = PrefillProgress(self.prefill_step_size) if self.show_progress else None
         tic = time.perf_counter()
         logits = prefill(self.model, todo, state.cache, self.prefill_step_size, progress,
-                         prompt.inputs(self.model, reused))
+                         prompt.inputs(self.model, reused), self.group)
         seconds = time.perf_counter() - tic
         state.tokens.extend(todo)
         state.images = records
@@ -187,7 +190,8 @@ class ChatSession:
                                       max_tokens=self.max_tokens, sampler=self.sampler,
                                       history=todo, draft=self.draft,
                                       num_draft_tokens=self.num_draft_tokens,
-                                      draft_confidence=self.draft_confidence):
+                                      draft_confidence=self.draft_confidence,
+                                      group=self.group):
             reply.text += response.text
             reply.tokens.append(response.token)
             reply.last = response
@@ -225,12 +229,12 @@ class ChatSession:
             "format": SESSION_FORMAT, "messages": json.dumps(self.messages),
             **state.metadata(), "system_prompt": json.dumps(self.system_prompt),
             "thinking": json.dumps(self.thinking),
-            "reasoning_effort": json.dumps(self.reasoning_effort)})
+            "reasoning_effort": json.dumps(self.reasoning_effort)}, self.group)
 
     def load(self, path) -> None:
         """Replace this session by a saved one (same config, weights and prefill mode;
         CacheError naming the difference otherwise)."""
-        cache, meta = read_prompt_cache(path, self.model)
+        cache, meta = read_prompt_cache(path, self.model, self.group)
         if meta.get("format") != SESSION_FORMAT:
             raise CacheError(f"{path}: a prompt cache, but not a saved chat session")
         self.reset()

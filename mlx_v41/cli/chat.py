@@ -21,6 +21,7 @@ from ..chat.session import DEFAULT_MAX_TOKENS, ChatSession, format_stats
 from ..distributed.chat import SharedChatSession
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..distributed.link import DistributedError, is_backend_error
+from ..generation.group import ONE_PROCESS
 
 
 
@@ -189,11 +190,9 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 
-def group_ranks(args, model) -> Optional[Ranks]:
-    """`Ranks` for a model loaded over a group (None for one process)."""
-    link = getattr(model, "link", None)
-    if link is None:
-        return None
+def group_ranks(args, group) -> Ranks:
+    """`Ranks` for a model loaded over a group (`group`: its `RankGroup`)."""
+    link = group.link
     local = _lines(sys.stdin) if link.rank == 0 else None
     from ..distributed.lines import shared_readline
 
@@ -211,12 +210,15 @@ def main(argv=None) -> int:
         mx.random.seed(args.seed)
         if args.model == "demo":
             print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-        loader = distributed_loader(args) or load
-        model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
-                                  head_dtype=args.head_dtype)
-        ranks = group_ranks(args, model)
-        kind = ChatSession if ranks is None else SharedChatSession  # rank 0 reads images
-        session = kind(model, tokenizer, system_prompt=args.system_prompt,
+        loader = distributed_loader(args)
+        model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
+                                            dspark=args.dspark, head_dtype=args.head_dtype)
+        if loader is None:
+            group, kind, ranks = ONE_PROCESS, ChatSession, None
+        else:  # a group model: rank 0 reads the images and the input lines
+            group, kind = model.group, SharedChatSession
+            ranks = group_ranks(args, group)
+        session = kind(model, tokenizer, group=group, system_prompt=args.system_prompt,
                        thinking=args.thinking, reasoning_effort=args.reasoning_effort,
                        max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
                        show_progress=ranks is None or ranks.rank == 0, **decode_settings(args))

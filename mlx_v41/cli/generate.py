@@ -28,7 +28,7 @@ from ..generation.prompt_reuse import (PromptCache, prompt_cache_exists, read_pr
 from ..generation.api import PrefillProgress
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..distributed.link import DistributedError, is_backend_error
-from ..distributed.prompt import prepare_shared_prompt
+from ..generation.group import ONE_PROCESS
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -73,8 +73,8 @@ def user_content(text: str, images) -> object:
         [{"type": "text", "text": text}]
 
 
-def _cached_prefix(path: Path, model, tokens, images: list) -> PromptCache:
-    cache, meta = read_prompt_cache(path, model)
+def _cached_prefix(path: Path, model, tokens, images: list, group) -> PromptCache:
+    cache, meta = read_prompt_cache(path, model, group)
     if "tokens" not in meta:
         raise CacheError(f"{path}: the prompt cache does not record its tokens")
     reused, _ = reuse_prompt_cache(model, tokens, [PromptCache.from_metadata(cache, meta)],
@@ -89,39 +89,40 @@ def run(args) -> int:
         mx.random.seed(args.seed)
     if args.model == DEMO:
         print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
-    loader = distributed_loader(args) or load
-    model, tokenizer = loader(args.model, prefill_mode=args.prefill_mode, dspark=args.dspark,
-                              head_dtype=args.head_dtype)
+    loader = distributed_loader(args)
+    model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
+                                        dspark=args.dspark, head_dtype=args.head_dtype)
+    group = ONE_PROCESS if loader is None else model.group
     with wired_limit(model):
-        response = _reply(args, model, tokenizer)
+        response = _reply(args, model, tokenizer, group)
     print("=" * 10)
     print_stats(response)
     return 0
 
 
-def _reply(args, model, tokenizer) -> Optional[GenerationResponse]:
+def _reply(args, model, tokenizer, group) -> Optional[GenerationResponse]:
     """Prefill (reusing a prompt-cache file), then stream the reply to stdout."""
-    prompt = prepare_shared_prompt(model, prompt_tokens(args, tokenizer), args.image)
+    prompt = group.prepare_prompt(model, prompt_tokens(args, tokenizer), args.image)
     tokens, records = prompt.ids, prompt.records()
     path = Path(args.prompt_cache_file) if args.prompt_cache_file else None
-    is_saved = path is not None and prompt_cache_exists(path, model)
-    state = _cached_prefix(path, model, tokens, records) if is_saved else \
+    is_saved = path is not None and prompt_cache_exists(path, group)
+    state = _cached_prefix(path, model, tokens, records, group) if is_saved else \
         PromptCache(model.make_cache())
     todo = tokens[len(state.tokens):]
     tic = time.perf_counter()
     logits = prefill(model, todo, state.cache, args.prefill_step_size,
                      PrefillProgress(args.prefill_step_size),
-                     prompt.inputs(model, len(state.tokens)))
+                     prompt.inputs(model, len(state.tokens)), group)
     seconds = time.perf_counter() - tic
     if path and not is_saved:
         write_prompt_cache(path, state.cache, model,
                            {**PromptCache(state.cache, tokens, records).metadata(),
-                            "model": str(args.model)})
+                            "model": str(args.model)}, group)
     print("=" * 10, flush=True)
     response = None
     for response in stream_decode(model, tokenizer, logits, state.cache, prompt_tokens=len(todo),
                                   prompt_seconds=seconds, max_tokens=args.max_tokens,
-                                  history=todo, **decode_settings(args)):
+                                  history=todo, group=group, **decode_settings(args)):
         print(response.text, end="", flush=True)
     print()
     return response

@@ -76,26 +76,29 @@ def build_app(args):
     import mlx.core as mx
 
     from ..checkpoint.source import load
+    from ..generation.group import ONE_PROCESS
     from ..server.engine import Engine
     from ..server.prompt_store import PromptCacheStore
     from ..server.routes import ServerConfig, create_app
 
-    group = distributed_loader(args)
-    model, tokenizer = (group or load)(args.model, prefill_mode=args.prefill_mode,
-                                       dspark=args.dspark, head_dtype=args.head_dtype)
+    loader = distributed_loader(args)
+    model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
+                                        dspark=args.dspark, head_dtype=args.head_dtype)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    kind = Engine
-    if group:
+    kind, group = Engine, ONE_PROCESS
+    if loader:
         from ..server.ranks import Follower, GroupEngine
 
-        kind = GroupEngine if model.link.rank == 0 else Follower
-    store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir)
-    engine = kind(model, tokenizer, store, prefill_step_size=args.prefill_step_size,
-                    draft="dspark" if args.dspark else None,
-                    num_draft_tokens=args.num_draft_tokens,
-                    draft_confidence=args.draft_confidence,
-                    max_concurrent=args.max_concurrent_requests)
+        group = model.group
+        kind = GroupEngine if group.link.rank == 0 else Follower
+    store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir, group)
+    engine = kind(model, tokenizer, store, group=group,
+                  prefill_step_size=args.prefill_step_size,
+                  draft="dspark" if args.dspark else None,
+                  num_draft_tokens=args.num_draft_tokens,
+                  draft_confidence=args.draft_confidence,
+                  max_concurrent=args.max_concurrent_requests)
     config = ServerConfig(model_id=args.model, max_tokens=args.max_tokens, temp=args.temp,
                           top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                           thinking=args.thinking, reasoning_effort=args.reasoning_effort,

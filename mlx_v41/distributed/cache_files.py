@@ -31,15 +31,16 @@ def exists_on_any_rank(path, link) -> bool:
     return int(link.all_sum(mine, "agreeing on a cache file").item()) > 0
 
 
-def save_across_ranks(path, cache: list, model, metadata: dict, stage) -> None:
-    """Every rank stages its share beside its `rank_path` (`stage(path, cache, model,
-    metadata)` -> the staged file); then all rename, or, if any rank could not write, all
-    delete theirs and raise that rank's OSError (the old files untouched)."""
-    link = model.link
+def save_across_ranks(path, cache: list, model, metadata: dict, stage, group) -> None:
+    """Every rank of `group` (a `RankGroup`) stages its share beside its `rank_path`
+    (`stage(path, cache, model, metadata, share)` -> the staged file); then all rename, or, if
+    any rank could not write, all delete theirs and raise that rank's OSError (the old files
+    untouched)."""
+    link = group.link
     save = share_line(link, uuid.uuid4().hex if link.rank == 0 else None)
     target, staged, error = rank_path(path, link), None, None
     try:
-        staged = stage(target, cache, model, {**metadata, SAVE_ID: save})
+        staged = stage(target, cache, model, {**metadata, SAVE_ID: save}, group.share)
     except Exception as e:  # every rank must reach the exchange
         error = _one_line(e)
     failure = _first_failure(exchange(link, {"error": error}, "agreeing on a cache save"))
@@ -50,14 +51,15 @@ def save_across_ranks(path, cache: list, model, metadata: dict, stage) -> None:
     commit_staged(staged, target)
 
 
-def load_across_ranks(path, model) -> tuple:
-    """(this rank's cache, the metadata) when every rank read its part of one save, with the
-    group's rollback budget (the smallest); otherwise the first failing rank's CacheError on
-    every rank."""
-    link = model.link
+def load_across_ranks(path, model, group) -> tuple:
+    """(this rank's cache, the metadata) when every rank of `group` read its part of one save,
+    with the group's rollback budget (the smallest); otherwise the first failing rank's
+    CacheError on every rank."""
+    link = group.link
     cache = meta = error = None
     try:
-        cache, meta = load_prompt_cache(rank_path(path, link), model, return_metadata=True)
+        cache, meta = load_prompt_cache(rank_path(path, link), model, return_metadata=True,
+                                        share=group.share)
     except Exception as e:  # every rank must reach the exchange
         error = _one_line(e)
     mine = {"error": error} if error is not None else \

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 from ..chat.session import ChatSession
 from ..model.vision.preprocess import image_reference
-from ..model.vision.prompt import ImagePrompt
 from .lines import share_line
-from .prompt import prepare_shared_prompt
 
 
 class SharedChatSession(ChatSession):
-    """`ChatSession` for a model loaded over a group (`model.link`)."""
+    """`ChatSession` for a model loaded over a group (`group`: its `RankGroup`, which prepares
+    each prompt on rank 0 and shares it)."""
 
     def attach(self, image) -> None:
         """Rank 0 checks and queues the image; its error (one line, shared with two
         `all_sum`s) is raised on every rank, so every rank's queue stays alike."""
-        link, error = self.model.link, None
+        link, error = self.group.link, None
         if link.rank == 0:
             try:
                 super().attach(image)
@@ -30,6 +29,3 @@ class SharedChatSession(ChatSession):
             raise ValueError(message)
         if link.rank != 0:
             self.attached.append(image_reference(image))
-
-    def prepare(self, ids: list, images: list) -> ImagePrompt:
-        return prepare_shared_prompt(self.model, ids, images)

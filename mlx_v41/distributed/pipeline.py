@@ -9,26 +9,27 @@ embeddings, and the later ranks are called without images. Layers of other ranks
 row count with an empty feature axis, so the prefill strategies (`model/prefill.py`) run
 unchanged on every rank. Later ranks keep a mirror of the kv owners they read
 (`MirrorKV`). Only the last rank holds logits (the others: zeros); it samples, and its token
-reaches every rank by `all_sum` of one int32 (`agree_on_token`; the same seed on every rank, so
-the random keys advance alike). Exact: every layer runs the ops it runs in one process.
-With the DSpark drafter, the drafter is the last rank's: the other ranks send it the taps of
-the target layers they run (`write_draft_rings`), and its drafts and acceptance (greedy or
-sampled: count accepted, next token) reach every rank as a few int32s (`agree_on_ints`), so
-every rank verifies and trims alike; each sampled cycle takes one key on every rank.
+reaches every rank by `all_sum` of one int32 (`RankGroup.agree_on_token`; the same seed on
+every rank, so the random keys advance alike). Exact: every layer runs the ops it runs in one
+process. With the DSpark drafter, the drafter is the last rank's: the other ranks send it the
+taps of the target layers they run (`PipelineRun.write_draft_rings`), and its drafts and
+acceptance (greedy or sampled: count accepted, next token) reach every rank as a few int32s
+(`RankGroup.agree_on_ints`), so every rank verifies and trims alike; each sampled cycle takes
+one key on every rank.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.layer import CacheError, CompressedKV, LayerCache
-from ..model.engram import engram_rows
 from ..model.model import Block, Model
 from ..model.prefill import Run, run_forward
-from ..model.vision.prompt import delimiters
+from .group import RankGroup
 from .link import Link
 from .split import SplitError, balanced_split, crossing, parse_split
 
@@ -217,28 +218,40 @@ class PipelineRun(Run):
         self._mask = value
 
     def encode(self, chunk, start: int):
-        (ids, embeddings, images), text, stage = chunk, self.text, self.stage
-        state = self.state(start, start + ids.shape[1])
-
-        def hashing(mask):
-            return engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids, ids,
-                               self.cache, mask)
-
-        if stage.first:
-            state.image_mask = None if images is None else images.mask()
-            if stage.hashes:
-                state.engram_rows = hashing(state.image_mask)
-            x = text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
-            if images is not None:
-                x = images.merge(x, delimiters(self.model))
-            streams, pre = text.residual_input(x)
-        else:
-            stage.begin_chunk(state, hashing if stage.hashes else None)
-            streams, pre = ghost(ids.shape[0], ids.shape[1], text.hc_mult)
-        streams, pre = text.encoder_stack(streams, pre, state, self.cache)
-        if text.decoder_start < len(text.layers):
-            streams, pre = stage.cross(text.decoder_start, streams, pre, state)
+        state, streams, pre = super().encode(chunk, start)
+        if self.text.decoder_start < len(self.text.layers):
+            streams, pre = self.stage.cross(self.text.decoder_start, streams, pre, state)
         return state, streams, pre
+
+    def embed(self, chunk, state):
+        """Rank 0 embeds; a later rank's rows arrive at its first layer (ghosts until then),
+        and its Engram rows are hashed once the chunk's image mask came with them."""
+        if self.stage.first:
+            return super().embed(chunk, state)
+        self.stage.begin_chunk(state, partial(self.hash_engram, chunk.ids)
+                               if self.stage.hashes else None)
+        return ghost(chunk.ids.shape[0], chunk.ids.shape[1], self.text.hc_mult)
+
+    def hash_engram(self, ids, image_mask):
+        """Only where this rank runs an Engram layer."""
+        return super().hash_engram(ids, image_mask) if self.stage.hashes else None
+
+    def write_draft_rings(self, taps: dict, end: int) -> None:
+        """Every rank sends the taps of the target layers it runs to the last rank, which
+        writes the drafter's rings (the other ranks' ring slots only keep the offsets)."""
+        stage, link, last = self.stage, self.stage.link, self.stage.link.size - 1
+        for rank in range(last):
+            mine = [layer for layer in self.model.cfg.dspark_target_layer_ids
+                    if stage.owner[layer] == rank]
+            if not mine:
+                continue
+            if stage.rank == rank:
+                link.send_arrays([taps[layer] for layer in mine], last)
+            elif stage.last:
+                taps = dict(taps)
+                taps.update(zip(mine, link.recv_arrays(len(mine), rank)))
+        if stage.last:
+            super().write_draft_rings(taps, end)
 
     def precompress(self, state, streams, pre) -> None:
         if self.stage.owns(self.text.decoder_start):
@@ -260,6 +273,7 @@ class PipelineModel(Model):
             else balanced_split(self, link.size)
         self.ranges = ranges
         self.stage = Stage(link, ranges, self.roles, self.cfg)
+        self.group = RankGroup(link, ranges, is_pipeline=True)  # what generation is given
         self._drafting = bool(options.get("dspark"))
         self._prune()
 
@@ -288,38 +302,6 @@ class PipelineModel(Model):
     @property
     def drafting(self) -> bool:
         return self._drafting
-
-    @property
-    def drafts_here(self) -> bool:
-        return self._drafting and self.stage.last
-
-    @property
-    def holds_logits(self) -> bool:
-        return self.stage.last
-
-    def write_draft_rings(self, cache: list, taps: dict, end: int) -> None:
-        """Every rank sends the taps of the target layers it runs to the last rank, which
-        writes the drafter's rings (the other ranks' ring slots only keep the offsets)."""
-        stage, last = self.stage, self.link.size - 1
-        layers = self.cfg.dspark_target_layer_ids
-        for rank in range(last):
-            mine = [layer for layer in layers if stage.owner[layer] == rank]
-            if not mine:
-                continue
-            if stage.rank == rank:
-                self.link.send_arrays([taps[layer] for layer in mine], last)
-            elif stage.last:
-                taps = dict(taps)
-                taps.update(zip(mine, self.link.recv_arrays(len(mine), rank)))
-        if stage.last:
-            super().write_draft_rings(cache, taps, end)
-
-    def agree_on_ints(self, values: list, size: int) -> list:
-        """The last rank's ints (at most `size`) on every rank: one all_sum of size + 1 int32s."""
-        mine = [len(values)] + list(values) + [0] * (size - len(values)) if self.stage.last \
-            else [0] * (size + 1)
-        agreed = self.link.all_sum(mx.array(mine, mx.int32), "sharing the drafts").tolist()
-        return agreed[1:1 + agreed[0]]
 
     def make_cache(self) -> list:
         cfg, stage = self.cfg, self.stage
@@ -353,20 +335,11 @@ class PipelineModel(Model):
 
     def head(self, hidden: mx.array, last_only: bool) -> mx.array:
         """The logits on the last rank; zeros of their shape on the others (which sample
-        alike and then take the last rank's token, `agree_on_token`)."""
+        alike and then take the last rank's token, `RankGroup.agree_on_token`)."""
         if is_ghost(hidden):
             rows = 1 if last_only else hidden.shape[1]
             return mx.zeros((hidden.shape[0], rows, self.cfg.vocab_size), mx.float32)
         return super().head(hidden, last_only)
-
-    def busy(self, what: str):
-        return self.link.watchdog.busy(what)
-
-    def agree_on_token(self, token: mx.array) -> mx.array:
-        """The last rank's sampled token on every rank: one int32 per row is reduced instead
-        of the logits (every rank still runs the sampler, so their random keys stay alike)."""
-        mine = token.astype(mx.int32) if self.stage.last else mx.zeros(token.shape, mx.int32)
-        return self.stage.link.all_sum(mine, "sharing the sampled token").astype(token.dtype)
 
 
 def load_pipeline(path, link: Link, split: Optional[str] = None, **options):

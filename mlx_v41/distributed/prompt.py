@@ -19,15 +19,13 @@ from .lines import share_line
 FAILED = -1  # the id count rank 0 shares when it could not prepare the prompt
 
 
-def prepare_shared_prompt(model, ids: Sequence[int], images: Optional[Sequence] = None
+def prepare_shared_prompt(model, ids: Sequence[int], images: Optional[Sequence], group
                           ) -> ImagePrompt:
-    """`prepare_prompt` for any model; across ranks (`model.link`), rank 0's expanded ids on
+    """`prepare_prompt` across the ranks of `group` (a `RankGroup`): rank 0's expanded ids on
     every rank (the images on rank 0 only): `all_sum`s of the id and image counts, then of the
     int32 ids (under tensor parallel the ids and the token types); with images, their records as
     one JSON line. ValueError on every rank when rank 0 failed."""
-    link = getattr(model, "link", None)
-    if link is None:
-        return prepare_prompt(model, ids, images)
+    link = group.link
     prompt = error = None
     if link.rank == 0:
         try:
@@ -44,25 +42,25 @@ def prepare_shared_prompt(model, ids: Sequence[int], images: Optional[Sequence] 
             raise error
         raise ValueError(f"rank 0 could not prepare the prompt: {message}")
     records = _share_records(link, prompt) if spans else []
-    if getattr(model, "stage", None) is not None:  # a pipeline: the mask travels with the rows
+    if group.is_pipeline:  # the mask travels with the rows
         shared = _share_ints(link, prompt.ids if prompt else None, total)
         return prompt if link.rank == 0 else \
             SharedImagePrompt(shared, np.full(total, TEXT, np.int32), rank0_records=records)
     mine = None if prompt is None else list(prompt.ids) + prompt.token_types.tolist()
     shared = _share_ints(link, mine, 2 * total)
     if link.rank == 0:
-        return leading_prompt(model, prompt)
+        return leading_prompt(group, prompt)
     return SharedImagePrompt(shared[:total], np.array(shared[total:], np.int32), link=link,
                              rank0_records=records)
 
 
-def leading_prompt(model, prompt: ImagePrompt) -> ImagePrompt:
-    """Rank 0's `prompt` as the ranks run it: under tensor parallel its `inputs` shares the
-    span rows; under a pipeline as it is."""
-    if getattr(model, "stage", None) is not None:
+def leading_prompt(group, prompt: ImagePrompt) -> ImagePrompt:
+    """Rank 0's `prompt` as the ranks of `group` run it: under tensor parallel its `inputs`
+    shares the span rows; under a pipeline as it is."""
+    if group.is_pipeline:
         return prompt
     return SharedImagePrompt(prompt.ids, prompt.token_types, prompt.images, prompt.starts,
-                             model.link)
+                             group.link)
 
 
 def span_grids(prompt: ImagePrompt) -> list:
@@ -72,19 +70,19 @@ def span_grids(prompt: ImagePrompt) -> list:
             for start, image in zip(prompt.starts, prompt.images)]
 
 
-def followed_prompt(model, ids: list, grids: list, records: Optional[list] = None
+def followed_prompt(group, ids: list, grids: list, records: Optional[list] = None
                     ) -> ImagePrompt:
-    """Rank 0's prompt on another rank, from its expanded ids, `span_grids` and `records()`
-    (what its caches are keyed and named by): under a pipeline all text (the mask comes with
-    the rows); under tensor parallel with the token types, and `inputs` takes rank 0's span
-    rows."""
+    """Rank 0's prompt on another rank of `group`, from its expanded ids, `span_grids` and
+    `records()` (what its caches are keyed and named by): under a pipeline all text (the mask
+    comes with the rows); under tensor parallel with the token types, and `inputs` takes rank
+    0's span rows."""
     types = np.full(len(ids), TEXT, np.int32)
-    if getattr(model, "stage", None) is not None:
+    if group.is_pipeline:
         return SharedImagePrompt(list(ids), types, rank0_records=records)
     for start, llm_h, llm_w in grids:
         span = span_types(llm_h, llm_w)
         types[start:start + len(span)] = span
-    return SharedImagePrompt(list(ids), types, link=model.link, rank0_records=records)
+    return SharedImagePrompt(list(ids), types, link=group.link, rank0_records=records)
 
 
 def _share_records(link, prompt: Optional[ImagePrompt]) -> list:

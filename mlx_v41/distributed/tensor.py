@@ -26,6 +26,7 @@ from ..model.layers import QuantLinear, allocate_quantized, round_act_fp8
 from ..model.model import Model
 from ..model.moe import MoE
 from ..numerics.quant import WEIGHT_BLOCK
+from .group import RankGroup
 from .link import Link, is_backend_error
 
 
@@ -109,6 +110,7 @@ class TensorParallelModel(Model):
         super().__init__(args, **options)
         self.link, self.rank = link, link.rank
         self.ranges = f"tensor parallel x{link.size}"  # what the startup handshake compares
+        self.group = RankGroup(link, self.ranges, is_pipeline=False)  # what generation is given
         self.shard_of = ShardPlan()
         blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(self.model.layers)]
         if "dspark" in self:  # the drafter's stages are the same attention and MoE classes
@@ -129,9 +131,6 @@ class TensorParallelModel(Model):
             if not is_backend_error(e):
                 raise
             raise self.link.lost(e, "computing a layer") from None
-
-    def busy(self, what: str):
-        return self.link.watchdog.busy(what)
 
     def _shard_attention(self, path: str, attn) -> None:
         cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of

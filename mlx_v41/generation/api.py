@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from ..model.vision.prompt import prepare_prompt
+from .group import ONE_PROCESS, ProcessGroup
 from .speculative import DraftStats, check_draft_settings, speculative_steps
 
 
@@ -79,11 +79,13 @@ def check_context(model, start: int, length: int) -> int:
 
 
 def prefill(model, tokens: Sequence[int], cache: list, step_size: Optional[int] = None,
-            progress: Optional[Callable[[int, int], None]] = None, images=None) -> mx.array:
+            progress: Optional[Callable[[int, int], None]] = None, images=None,
+            group: ProcessGroup = ONE_PROCESS) -> mx.array:
     """Run `tokens` into `cache` (chunks of `step_size`); the last position's logits [1, 1, V].
-    `images`: the `vision.ImageInputs` of the tokens' image spans."""
+    `images`: the `vision.ImageInputs` of the tokens' image spans; `group`: the processes
+    running the model (`generation.group`)."""
     check_context(model, cache[0].offset, len(tokens))
-    with model.busy("prefilling a prompt"):
+    with group.busy("prefilling a prompt"):
         logits = model.prefill(mx.array([list(tokens)], dtype=mx.int32), cache,
                                step_size=step_size, last_only=True, progress=progress,
                                images=images)
@@ -93,8 +95,8 @@ def prefill(model, tokens: Sequence[int], cache: list, step_size: Optional[int] 
 
 
 def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int] = (),
-                  sampler=None, logits_processors=None,
-                  max_tokens: int = 256) -> Iterator[tuple]:
+                  sampler=None, logits_processors=None, max_tokens: int = 256,
+                  group: ProcessGroup = ONE_PROCESS) -> Iterator[tuple]:
     """(token, logprobs) pairs continuing from the prompt's last `logits`. Each token is fed to
     the cache before it is yielded, so the next step computes while the caller handles it."""
     from mlx_lm.sample_utils import greedy_sampler
@@ -108,7 +110,7 @@ def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int]
         for processor in logits_processors or ():
             step_logits = processor(history, step_logits)
         logprobs = step_logits - mx.logsumexp(step_logits, axis=-1, keepdims=True)
-        token = model.agree_on_token(sampler(logprobs))
+        token = group.agree_on_token(sampler(logprobs))
         if logits_processors:
             history = mx.concatenate([history, token.astype(mx.int32)])
         return token, logprobs[0]
@@ -128,8 +130,8 @@ def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int]
 def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt_seconds: float,
                   max_tokens: int, sampler=None, logits_processors=None,
                   history: Sequence[int] = (), draft: Optional[str] = None,
-                  num_draft_tokens: int = 5,
-                  draft_confidence: Optional[float] = None) -> Iterator[GenerationResponse]:
+                  num_draft_tokens: int = 5, draft_confidence: Optional[float] = None,
+                  group: ProcessGroup = ONE_PROCESS) -> Iterator[GenerationResponse]:
     """`GenerationResponse`s from the prompt's last `logits` (after `prefill`)."""
     # Every yielded token is fed, so the context caps the reply.
     max_tokens = min(max_tokens, model.args.text_config.max_position_embeddings - cache[0].offset)
@@ -139,9 +141,9 @@ def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt
     tic, token, n = time.perf_counter(), None, 0
     stats = DraftStats() if draft else None
     steps = _steps(model, logits, cache, history, sampler, logits_processors, max_tokens, stops,
-                   draft, num_draft_tokens, draft_confidence, stats)
+                   draft, num_draft_tokens, draft_confidence, stats, group)
     from_draft = False
-    with model.busy("generating a reply"):
+    with group.busy("generating a reply"):
         for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
             if token in stops:
                 break
@@ -162,11 +164,12 @@ def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt
 
 
 def _steps(model, logits, cache, history, sampler, logits_processors, max_tokens, stops, draft,
-           num_draft_tokens, draft_confidence, stats) -> Iterator[tuple]:
+           num_draft_tokens, draft_confidence, stats, group) -> Iterator[tuple]:
     """(token, logprobs, from_draft) of plain or DSpark speculative decoding."""
     if draft is None:
         steps = generate_step(model, logits, cache, tokens=history, sampler=sampler,
-                              logits_processors=logits_processors, max_tokens=max_tokens)
+                              logits_processors=logits_processors, max_tokens=max_tokens,
+                              group=group)
         return ((token, logprobs, False) for token, logprobs in steps)
     if draft != "dspark":
         raise ValueError(f"draft must be None or 'dspark', got {draft!r}")
@@ -174,7 +177,8 @@ def _steps(model, logits, cache, history, sampler, logits_processors, max_tokens
     return speculative_steps(model, logits, cache, sampling=sampling, max_tokens=max_tokens,
                              stops=stops, num_draft_tokens=num_draft_tokens,
                              draft_confidence=draft_confidence, stats=stats,
-                             logits_processors=logits_processors, history=history)
+                             logits_processors=logits_processors, history=history,
+                             group=group)
 
 
 
@@ -185,7 +189,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
                     prompt_progress_callback=None, draft: Optional[str] = None,
                     num_draft_tokens: int = 5,
                     draft_confidence: Optional[float] = None,
-                    images: Optional[Sequence] = None) -> Iterator[GenerationResponse]:
+                    images: Optional[Sequence] = None,
+                    group: ProcessGroup = ONE_PROCESS) -> Iterator[GenerationResponse]:
     """Stream a reply to `prompt`.
 
     Args:
@@ -210,6 +215,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
         images: one per placeholder, in order: paths, bytes, base64 `data:` URIs, http(s)
             URLs, PIL images or chat image blocks (`collect_images(messages)`). Needs the
             vision tower (loaded by default when the checkpoint has it).
+        group: the processes running the model (`generation.group`): one process by default;
+            a group model's ranks pass `model.group` (`mlx_v41.distributed`).
     Yields:
         `GenerationResponse`s; the last one has `finish_reason` "stop" or "length".
     """
@@ -220,16 +227,16 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
         ids = _one_sequence(prompt)
     with wired_limit(model):
         tic = time.perf_counter()
-        expanded = prepare_prompt(model, ids, images)
+        expanded = group.prepare_prompt(model, ids, images)
         ids = expanded.ids
         logits = prefill(model, ids, cache, prefill_step_size, prompt_progress_callback,
-                         expanded.inputs(model))
+                         expanded.inputs(model), group)
         yield from stream_decode(model, tokenizer, logits, cache, prompt_tokens=len(ids),
                                  prompt_seconds=time.perf_counter() - tic,
                                  max_tokens=max_tokens, sampler=sampler,
                                  logits_processors=logits_processors, history=ids, draft=draft,
                                  num_draft_tokens=num_draft_tokens,
-                                 draft_confidence=draft_confidence)
+                                 draft_confidence=draft_confidence, group=group)
 
 
 

@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence
 
 
 from ..cache.layer import CacheError, trim_cache
-from ..cache.persistence import (commit_staged, copy_cache, load_prompt_cache,
-                                 stage_prompt_cache)
+from ..cache.persistence import copy_cache, stage_prompt_cache
+from .group import ONE_PROCESS, ProcessGroup
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -106,42 +106,31 @@ def reuse_prompt_cache(model, prompt: Sequence[int], candidates, images: Sequenc
 
 
 
-def write_prompt_cache(path, cache: list, model, metadata: dict) -> None:
-    """`save_prompt_cache` with file-system problems reported as OSError naming the file; on a
-    rank of a group, every rank writes its share (`distributed.cache_files`)."""
-    if getattr(model, "link", None) is not None:
-        from ..distributed.cache_files import save_across_ranks
-
-        return save_across_ranks(path, cache, model, metadata, stage_cache_file)
-    commit_staged(stage_cache_file(path, cache, model, metadata), path)
+def write_prompt_cache(path, cache: list, model, metadata: dict,
+                       group: ProcessGroup = ONE_PROCESS) -> None:
+    """`save_prompt_cache` with file-system problems reported as OSError naming the file;
+    across the ranks of `group`, every rank writes its share."""
+    group.save_prompt_cache(path, cache, model, metadata, stage_cache_file)
 
 
-def read_prompt_cache(path, model) -> tuple:
-    """(cache, metadata) of a prompt-cache file (`load_prompt_cache`); on a rank of a group,
-    every rank reads its share, and all refuse if one cannot."""
-    if getattr(model, "link", None) is not None:
-        from ..distributed.cache_files import load_across_ranks
-
-        return load_across_ranks(path, model)
-    return load_prompt_cache(path, model, return_metadata=True)
+def read_prompt_cache(path, model, group: ProcessGroup = ONE_PROCESS) -> tuple:
+    """(cache, metadata) of a prompt-cache file (`load_prompt_cache`); across the ranks of
+    `group`, every rank reads its share, and all refuse if one cannot."""
+    return group.load_prompt_cache(path, model)
 
 
-def prompt_cache_exists(path, model) -> bool:
-    """Whether the prompt-cache file exists (on a rank of a group: on any rank)."""
-    link = getattr(model, "link", None)
-    if link is not None:
-        from ..distributed.cache_files import exists_on_any_rank
-
-        return exists_on_any_rank(path, link)
-    return Path(path).exists()
+def prompt_cache_exists(path, group: ProcessGroup = ONE_PROCESS) -> bool:
+    """Whether the prompt-cache file exists (across the ranks of `group`: on any rank)."""
+    return group.has_prompt_cache(path)
 
 
-def stage_cache_file(path, cache: list, model, metadata: dict) -> Path:
+def stage_cache_file(path, cache: list, model, metadata: dict,
+                     share: Optional[dict] = None) -> Path:
     """`stage_prompt_cache` with file-system problems reported as OSError naming the file."""
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path.parent}: no such folder")
     try:
-        return stage_prompt_cache(path, cache, model, metadata)
+        return stage_prompt_cache(path, cache, model, metadata, share)
     except RuntimeError as e:  # MLX reports write failures as RuntimeError
         raise OSError(f"{path}: cannot write the prompt cache ({e})") from None

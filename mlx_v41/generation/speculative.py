@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 
 from ..cache.layer import trim_cache
+from .group import ONE_PROCESS, ProcessGroup
 
 MAX_DRAFT_TOKENS = 5  # the drafter's block holds the anchor and 5 proposals
 KEY_WORD = 2 ** 31 - 1  # a drawn key's words stay below this (randint takes an int32 bound)
@@ -88,26 +89,29 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
                       max_tokens: int, stops: Sequence[int] = (), num_draft_tokens: int = 5,
                       draft_confidence: Optional[float] = None,
                       stats: Optional[DraftStats] = None, drafter=None,
-                      logits_processors=None, history: Sequence[int] = ()) -> Iterator[tuple]:
+                      logits_processors=None, history: Sequence[int] = (),
+                      group: ProcessGroup = ONE_PROCESS) -> Iterator[tuple]:
     """(token, logprobs, from_draft) continuing from the prompt's last `logits` [1, 1, V],
     like `generate_step`: every yielded token has been fed to the cache, and the cache holds
     exactly the yielded tokens after the prompt (rejected and unyielded rows are trimmed).
     `drafter`: anything with `DSpark.draft`'s signature (default the model's; tests and the
     benchmark pass an oracle). `logits_processors` (mlx-lm's) shape every target row with
     the tokens before it (`history`: the prompt), as plain decoding does; the drafts' own
-    distributions need no shaping, since acceptance compares them with the shaped target."""
+    distributions need no shaping, since acceptance compares them with the shaped target.
+    `group`: the processes running the model; they continue with the drafts, acceptance and
+    tokens of the one holding the logits (`generation.group`)."""
     if logits.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence per cache: logits have batch "
                          f"{logits.shape[0]} (run each sequence with its own cache)")
     if drafter is None:
         _require_drafter(model)
-    if drafter is None and model.drafts_here:
+    if drafter is None and "dspark" in model:  # else the drafts come from `group`
         drafter = model.dspark
     stats = stats if stats is not None else DraftStats()
     limit = model.cfg.max_position_embeddings
     shape = _Shaper(logits_processors, history)
     logprobs = _normalise(shape(logits[0, -1:], []))[0]
-    anchor = model.agree_on_ints([_draw(sampling, logprobs)], 1)[0]
+    anchor = group.agree_on_ints([_draw(sampling, logprobs)], 1)[0]
     done = 0
     while done < max_tokens:
         room = min(max_tokens - done, limit - cache[0].offset) - 1
@@ -115,12 +119,12 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
         drafts, q = _draft(model, drafter, cache, anchor, sampling,
                            min(num_draft_tokens, room), draft_confidence, draft_key) \
             if drafter is not None else ([], None)
-        drafts = model.agree_on_ints(drafts, MAX_DRAFT_TOKENS)  # a pipeline: the last rank's
+        drafts = group.agree_on_ints(drafts, MAX_DRAFT_TOKENS)
         rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
         targets = _normalise(shape(rows, [anchor] + drafts))
-        outcome = _accept(sampling, targets, drafts, q, accept_key) if model.holds_logits \
+        outcome = _accept(sampling, targets, drafts, q, accept_key) if group.has_logits \
             else ([], 0)
-        accepted, following = _agree_on_outcome(model, *outcome, drafts)
+        accepted, following = _agree_on_outcome(group, *outcome, drafts)
         accepted = _cut_at_stop(anchor, accepted, stops)
         trim_cache(cache, len(drafts) - len(accepted))
         stats.proposed += len(drafts)
@@ -234,10 +238,11 @@ def _accept(sampling: Sampling, targets: mx.array, drafts: list, q,
     return drafts, mx.random.categorical(logp[n], key=draw_key).item()
 
 
-def _agree_on_outcome(model, accepted: list, following: int, drafts: list) -> tuple:
-    """The acceptance every process trims by: the deciding one's (a pipeline: the last rank's,
-    which alone holds the verify logits) as (accepted count, next token)."""
-    n, token = model.agree_on_ints([len(accepted), following], 2)
+def _agree_on_outcome(group: ProcessGroup, accepted: list, following: int,
+                      drafts: list) -> tuple:
+    """The acceptance every process trims by: the one's holding the verify logits, as
+    (accepted count, next token)."""
+    n, token = group.agree_on_ints([len(accepted), following], 2)
     return drafts[:n], token
 
 

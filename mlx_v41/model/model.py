@@ -9,7 +9,6 @@ tower are attached here but defined in `dspark.py` and `vision/`.
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -309,38 +308,10 @@ class Model(nn.Module):
         return self.forward(ids, cache, last_only=last_only, step_size=step_size,
                             capture=capture, progress=progress, images=images).logits
 
-    holds_logits = True  # the head's logits are computed here (a pipeline: the last rank)
-
     @property
     def drafting(self) -> bool:
         """Whether forwards feed the DSpark drafter's rings (and speculative decoding runs)."""
         return "dspark" in self
-
-    @property
-    def drafts_here(self) -> bool:
-        """Whether this process runs the drafter (a pipeline: the last rank only)."""
-        return "dspark" in self
-
-    def write_draft_rings(self, cache: list, taps: dict, end: int) -> None:
-        """The drafter's ring rows from a call's target-layer `taps` (`prefill.py`)."""
-        from .prefill import write_draft_rings
-
-        write_draft_rings(self, cache, taps, end)
-
-    def agree_on_ints(self, values: list, size: int) -> list:
-        """The ints every process continues with (at most `size`): the ones computed here (a
-        pipeline: the last rank's)."""
-        return list(values)
-
-    def busy(self, what: str):
-        """A context around a prefill or a reply; across ranks it watches for a stuck rank
-        (`distributed.watchdog`); in one process it does nothing."""
-        return nullcontext()
-
-    def agree_on_token(self, token: mx.array) -> mx.array:
-        """The token every process continues with: the one sampled here (a pipeline: the last
-        rank's, which alone holds the logits)."""
-        return token
 
     def head(self, hidden: mx.array, last_only: bool) -> mx.array:
         """fp32 logits of the normed hidden rows (all, or the last)."""

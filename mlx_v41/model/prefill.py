@@ -47,7 +47,7 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
                 taps: tuple, teacher, capture, progress: Optional[Callable], images=None,
                 runner=None):
     """`Model.forward`: checks the inputs, picks the strategy, runs it atomically (`runner`:
-    a `Run` subclass, e.g. a pipeline stage's)."""
+    a `Run` subclass that overrides some of its steps)."""
     ids = _as_ids(ids)
     cache = model.make_cache() if cache is None else cache
     _check_inputs(model, ids, cache, embeddings, step_size, teacher)
@@ -67,7 +67,7 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     with transaction(cache):
         logits = run.full(chunks, last_only) if mode == "full" else run.encoder_only(chunks, mode)
         if drafting:
-            model.write_draft_rings(cache, run.taps, start + length)
+            run.write_draft_rings(run.taps, start + length)
         commit(cache, start + length)
     return ModelOutput(logits, {layer: run.taps[layer] for layer in taps})
 
@@ -129,16 +129,29 @@ class Run:
 
     def encode(self, chunk: Chunk, start: int):
         """The encoder stack over one chunk at `start` -> (state, streams, pre)."""
-        ids, embeddings, images = chunk
-        state = self.state(start, start + ids.shape[1])
-        state.image_mask = None if images is None else images.mask()
-        state.engram_rows = engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids,
-                                        ids, self.cache, state.image_mask)
-        x = self.text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
-        if images is not None:  # rows shared by another rank hold the delimiters too
-            x = images.merge(x, {} if images.has_delimiter_rows else delimiters(self.model))
-        streams, pre = self.text.residual_input(x)
+        state = self.state(start, start + chunk.ids.shape[1])
+        streams, pre = self.embed(chunk, state)
         return (state, *self.text.encoder_stack(streams, pre, state, self.cache))
+
+    def embed(self, chunk: Chunk, state: ForwardState):
+        """The chunk's residual input (streams, layer 0's `pre`); sets the chunk's image mask
+        and Engram rows on `state`."""
+        ids, embeddings, images = chunk
+        state.image_mask = None if images is None else images.mask()
+        state.engram_rows = self.hash_engram(ids, state.image_mask)
+        x = self.text.embed_tokens(ids) if embeddings is None else embeddings.astype(mx.bfloat16)
+        if images is not None:  # rows made for every span position hold the delimiters too
+            x = images.merge(x, {} if images.has_delimiter_rows else delimiters(self.model))
+        return self.text.residual_input(x)
+
+    def hash_engram(self, ids: mx.array, image_mask: Optional[mx.array]):
+        """The chunk's Engram rows (`engram.engram_rows`; None without Engram layers)."""
+        return engram_rows(self.model.engram_hasher, self.model.cfg.engram_layer_ids, ids,
+                           self.cache, image_mask)
+
+    def write_draft_rings(self, taps: dict, end: int) -> None:
+        """The drafter's rings from the call's target-layer `taps` (`write_draft_rings`)."""
+        write_draft_rings(self.model, self.cache, taps, end)
 
     def full(self, chunks: list, last_only: bool) -> mx.array:
         outs, position = [], self.start

@@ -16,6 +16,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..generation.api import prefill, stream_decode, wired_limit
+from ..generation.group import ONE_PROCESS, ProcessGroup
 from ..generation.speculative import Sampling
 from ..model.vision.prompt import ImagePrompt, prepare_prompt
 from .prompt_store import PromptCacheStore, align_to_tokens
@@ -127,12 +128,15 @@ class Engine:
         draft: None or "dspark" (the model loaded with dspark=True); with `num_draft_tokens`
             and `draft_confidence` as in `stream_generate`.
         max_concurrent: requests queued or running at most; more are refused (EngineBusy).
+        group: the processes running the model (`generation.group`).
     """
 
     def __init__(self, model, tokenizer, store: PromptCacheStore, *, prefill_step_size=None,
                  draft: Optional[str] = None, num_draft_tokens: int = 5,
-                 draft_confidence: Optional[float] = None, max_concurrent: int = 32):
+                 draft_confidence: Optional[float] = None, max_concurrent: int = 32,
+                 group: ProcessGroup = ONE_PROCESS):
         self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.group = group
         self.prefill_step_size, self.max_concurrent = prefill_step_size, max_concurrent
         self.draft = {} if draft is None else {"draft": draft, "num_draft_tokens":
                                                num_draft_tokens,
@@ -256,7 +260,7 @@ class Engine:
         tic = time.perf_counter()
         # The tower runs here, for the images whose spans reach past the reused prefix.
         logits = prefill(self.model, todo, state.cache, self.prefill_step_size,
-                         images=prompt.inputs(self.model, cached))
+                         images=prompt.inputs(self.model, cached), group=self.group)
         seconds = time.perf_counter() - tic
         state.tokens.extend(todo)
         state.images = records
@@ -278,7 +282,7 @@ class Engine:
             self.model, self.tokenizer, logits, state.cache, prompt_tokens=prefilled,
             prompt_seconds=seconds, max_tokens=settings.max_tokens, sampler=self._sampler(settings),
             logits_processors=settings.processors or None, history=job.prompt.ids,
-            **self.draft)
+            group=self.group, **self.draft)
         try:
             for response in responses:
                 tokens.append(response.token)

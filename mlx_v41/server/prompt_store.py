@@ -22,7 +22,9 @@ import numpy as np
 from ..cache.layer import CacheError, cache_bytes, trim_cache
 from ..cache.persistence import fingerprints
 from ..distributed.cache_files import rank_path
+from ..distributed.group import RankGroup
 from ..distributed.lines import share_line
+from ..generation.group import ONE_PROCESS, ProcessGroup
 from ..generation.prompt_reuse import (PromptCache, kept_prefix, read_prompt_cache,
                                        shared_spans, write_prompt_cache)
 
@@ -74,14 +76,14 @@ class PromptCacheStore:
     shares of the caches. Not thread-safe: the engine's worker thread is its only user.
     """
 
-    def __init__(self, model, max_bytes: int, folder=None):
-        self.model, self.max_bytes = model, max_bytes
+    def __init__(self, model, max_bytes: int, folder=None, group: ProcessGroup = ONE_PROCESS):
+        self.model, self.max_bytes, self.group = model, max_bytes, group
         self.folder = None if folder is None else Path(folder)
         self.entries: list[_Entry] = []
         self._clock = 0
-        self.link = getattr(model, "link", None)  # a rank of a group: files written together
-        self._identity = json.dumps({k: v for k, v in fingerprints(model).items()
-                                     if k != "group"}, sort_keys=True)
+        # a rank of a group: files written together, rank 0's decisions applied
+        self.link = group.link if isinstance(group, RankGroup) else None
+        self._identity = json.dumps(fingerprints(model), sort_keys=True)
 
     @property
     def nbytes(self) -> int:
@@ -205,7 +207,7 @@ class PromptCacheStore:
             name = self._file_for(entry.state)
             try:  # across ranks every rank writes its share, or none does
                 write_prompt_cache(name, entry.state.cache, self.model,
-                                   {"format": ENTRY_FORMAT, **entry.state.metadata()})
+                                   {"format": ENTRY_FORMAT, **entry.state.metadata()}, self.group)
                 entry.path, entry.is_written = self._own(name), True
             except OSError as e:
                 log.warning("prompt cache not persisted: %s", e)
@@ -247,7 +249,7 @@ class PromptCacheStore:
 
     def _read(self, path: Path) -> Optional[PromptCache]:
         try:  # across ranks every rank reads its share, and all refuse if one cannot
-            cache, meta = read_prompt_cache(path, self.model)
+            cache, meta = read_prompt_cache(path, self.model, self.group)
         except CacheError as e:
             log.warning("prompt cache refused: %s", e)
             return None

@@ -31,7 +31,7 @@ class RankEngine(Engine):
 
     def __init__(self, model, tokenizer, store, **options):
         super().__init__(model, tokenizer, store, **options)
-        self.link = model.link
+        self.link = self.group.link  # the model's `RankGroup`
         self.label = f"rank {self.link.rank}: "
 
     def _reuse(self, job: Job):
@@ -61,7 +61,7 @@ class GroupEngine(RankEngine):
 
     def __init__(self, model, tokenizer, store, **options):
         super().__init__(model, tokenizer, store, **options)
-        self.is_pipeline = hasattr(model, "stage")
+        self.is_pipeline = self.group.is_pipeline
         self._has_run = False  # a request ran since the last write of new cache files
 
     def submit(self, prompt, settings: Settings) -> Job:
@@ -74,7 +74,7 @@ class GroupEngine(RankEngine):
         self._has_run = True
         job.reuse = self.store.choose(job.prompt.ids, job.prompt.records())
         share_line(self.link, json.dumps({**work_record(job), "draft": self.draft}))
-        job.prompt = leading_prompt(self.model, job.prompt)  # the tower's rows for the others
+        job.prompt = leading_prompt(self.group, job.prompt)  # the tower's rows for the others
         return super()._run(job)
 
     def _is_cancelled(self, job: Job) -> bool:
@@ -107,7 +107,7 @@ class Follower(RankEngine):
         while (line := share_line(self.link, None)) is not None:
             record = json.loads(line)
             self.draft = record["draft"]  # rank 0's: every rank runs the same decoding loop
-            job = FollowerJob(record, self.model, self.tokenizer)
+            job = FollowerJob(record, self.group, self.tokenizer)
             try:
                 with wired_limit(self.model):
                     self._run(job)
@@ -129,12 +129,12 @@ def work_record(job: Job) -> dict:
 class FollowerJob(Job):
     """Rank 0's request on another rank: no event loop, its tokens go nowhere."""
 
-    def __init__(self, record: dict, model, tokenizer):
+    def __init__(self, record: dict, group, tokenizer):
         settings = Settings(**record["settings"])
         settings.processors = processors_from(settings.processor_fields, tokenizer)
         # rank 0's records: the followers' cache entries are stored (and their files named)
         # as rank 0's are
-        self.prompt = followed_prompt(model, record["ids"], record["spans"], record["records"])
+        self.prompt = followed_prompt(group, record["ids"], record["spans"], record["records"])
         self.settings = settings
         self.reuse = record["reuse"]
         self.cancelled, self.finish = threading.Event(), None

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.context import using
 from mlx_v41.kernels.index_queries import (CHECK_TOLERANCE as INDEX_TOLERANCE,
                                            build_checked_index_queries, build_index_queries,
                                            index_queries, index_queries_ops)
 from mlx_v41.kernels.rope_products import (CHECK_TOLERANCE as ROPE_TOLERANCE,
                                            build_checked_rope_products, build_rope_products,
-                                           rope_of_products, rope_products, rope_products_ops)
+                                           rope_products, rope_products_ops)
 from mlx_v41.kernels.swa_ring import swa_ring_update_ops
 from mlx_v41.kernels.window_rows import (build_checked_window_rows, build_window_rows,
                                          window_rows, window_rows_ops)
@@ -201,11 +202,13 @@ def test_query_rope_on_a_model_layer(tiny_model):
     qr = qr.astype(mx.bfloat16)
     shape = (2, 3, attention.heads, attention.head_dim)
     products = attention.q_b_proj.matmul(attention.q_b_proj.prepare(qr)).reshape(shape)
-    kernels = Kernels(rope_products=build_rope_products(checked))
-    _same_bits(rope_of_products(attention.rope, products, 70, kernels),
+    with using(Kernels(rope_products=build_rope_products(checked))):
+        got = rope_products(products, attention.rope, 70)
+    _same_bits(got,
                attention.rope(attention.q_b_proj(qr).reshape(shape), 70))
 
 
+@pytest.mark.slow
 def test_model_with_the_kernels_equals_the_ops(goldens, tiny_model):
     """The tiny golden model with window_rows and index_queries through the simulator (each
     call counted): the ops' logits over a two-chunk prefill and two decode steps (measured

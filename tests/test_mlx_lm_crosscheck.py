@@ -1,4 +1,5 @@
-"""mlx_v41 against mlx-lm's independent `deepseek_v41` port, on one random checkpoint without Engram.
+"""mlx_v41 against mlx-lm's independent `deepseek_v41` port, on one random checkpoint without
+Engram.
 
 The two ports do not compute the same numbers (spec deviations.md §4). mlx-lm does not FP8-round
 the inputs of FP8/FP4 linears, scores the indexer in fp32 (ours: bf16, as the reference), keeps
@@ -56,7 +57,7 @@ from mlx_lm.models import deepseek_v41 as mlx_lm_v41  # noqa: E402
 from mlx_lm.utils import load_model as load_mlx_lm  # noqa: E402
 
 import mlx_v41  # noqa: E402
-from mlx_v41.model import moe  # noqa: E402
+from mlx_v41.kernels import act_fp8  # noqa: E402
 from mlx_v41.model.layers import QuantLinear  # noqa: E402
 
 from checkpoint_factory import write_checkpoint  # noqa: E402
@@ -90,8 +91,9 @@ def sparse_folder(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("sparse"), tiny_text_config(), engram=False)
 
 
-def skip_fp8_rounding(x, dtype=None, is_products=False, kernels=None):
-    """Stand-in for mlx_v41's round_act_fp8 (same signature) that leaves values unrounded."""
+def skip_fp8_rounding(x, dtype=None, is_products=False):
+    """Stand-in for the act_fp8 ops (same signature) that leaves values unrounded: every
+    activation rounding of the CPU path goes through them (the act_fp8 dispatcher's ops)."""
     x = x.astype(mx.bfloat16) if is_products else x
     return x if dtype is None else x.astype(dtype)
 
@@ -103,7 +105,7 @@ def load_both(folder, numerics: str, monkeypatch):
         for module in ours.modules():
             if isinstance(module, QuantLinear):
                 module.quantize_input = False
-        monkeypatch.setattr(moe, "round_act_fp8", skip_fp8_rounding)
+        monkeypatch.setattr(act_fp8, "act_fp8_qdq", skip_fp8_rounding)
         theirs.set_dtype(mx.float32)
     return ours, theirs
 

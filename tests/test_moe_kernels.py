@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.context import using
 from mlx_v41.kernels.router import (build_checked_router, build_router, by_id, router,
                                     router_logits, router_ops, select_ops)
 from mlx_v41.kernels.swiglu import (build_checked_swiglu_act_fp8, build_swiglu_act_fp8,
@@ -305,13 +306,13 @@ def test_moe_takes_its_fp8_input_and_records_from_the_ops(tiny_model):
     moe = tiny_model(Kernels(use=False)).model.layers[1].mlp
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 5, 128)).astype(np.float32)).astype(mx.bfloat16)
-    off = Kernels(use=False)
-    x_fp8 = round_act_fp8(x.reshape(-1, 128), mx.float32, kernels=off)
-    want = moe(x, kernels=off)
-    assert mx.array_equal(moe(x, kernels=off, x_fp8=x_fp8), want).item()
+    with using(Kernels(use=False)):
+        x_fp8 = round_act_fp8(x.reshape(-1, 128), mx.float32)
+        want = moe(x)
+        assert mx.array_equal(moe(x, x_fp8=x_fp8), want).item()
     recorded = {}
-    kernels = Kernels(router=lambda *args: pytest.fail("router kernel used while recording"))
-    got = moe(x, record=recorded.__setitem__, kernels=kernels)
+    with using(Kernels(router=lambda *args: pytest.fail("router kernel used while recording"))):
+        got = moe(x, record=recorded.__setitem__)
     ids, weights = router_ops(x, moe.gate.weight, moe.gate.e_score_correction_bias,
                               moe.gate.bias_vl, None, moe.gate.top_k, moe.gate.route_scale)
     assert mx.array_equal(recorded["gate.indices"], ids.astype(mx.int32)).item()

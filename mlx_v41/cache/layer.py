@@ -19,7 +19,6 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..kernels import Kernels
 from ..kernels.fp4_pack import fp4_pack
 from ..kernels.swa_ring import swa_ring_update
 from ..kernels.window_rows import recent_rows, window_rows
@@ -72,15 +71,12 @@ class WindowRing:
         n = self._held_before(position)
         return None if n == 0 else recent_rows(self.rows, position, n)
 
-    def with_recent(self, values: mx.array, position: int, keep: int,
-                    kernels: Optional[Kernels] = None) -> mx.array:
+    def with_recent(self, values: mx.array, position: int, keep: int) -> mx.array:
         """The last `keep` rows of `recent(position)` followed by `values` [B, S, d] (bf16
-        window KV of positions [position, position + S)): the window an attention call reads,
-        in one Metal launch where `kernels` apply (kernels/window_rows.py)."""
+        window KV of positions [position, position + S)): the window an attention call reads
+        (one Metal launch where its kernel applies, kernels/window_rows.py)."""
         n = self._held_before(position)
-        k = kernels or Kernels()
-        return window_rows(self.rows, values, position, n, max(0, n + values.shape[1] - keep),
-                           use_kernel=k.use, run=k.window_rows)
+        return window_rows(self.rows, values, position, n, max(0, n + values.shape[1] - keep))
 
     def _held_before(self, position: int) -> int:
         """How many rows before `position` a window reads from the ring (0: none held)."""
@@ -90,14 +86,12 @@ class WindowRing:
         """Decoded rows [B, n, d] of the given held positions, in the given order."""
         return unpack_fp8_e8m0(mx.take(self.rows, positions % self.capacity, axis=1))
 
-    def write(self, values: mx.array, position: int, kernels: Optional[Kernels] = None) -> None:
+    def write(self, values: mx.array, position: int) -> None:
         """Store window KV values of positions [position, position + S) as FP8 rows."""
         if self.rows is None:
             width = values.shape[-1] + values.shape[-1] // 32
             self.rows = mx.zeros((values.shape[0], self.capacity, width), mx.uint8)
-        kernels = kernels or Kernels()
-        self.rows = swa_ring_update(self.rows, values, position, use_kernel=kernels.use,
-                                    run=kernels.swa_ring_update)
+        self.rows = swa_ring_update(self.rows, values, position)
         end = position + values.shape[1]
         if position > self.end:  # rows in between were never computed (CED prefill)
             self.valid_from = position
@@ -126,15 +120,13 @@ class CompressedKV:
         self.history = history
         self.inputs: Optional[mx.array] = None
 
-    def append(self, kv_values: mx.array, index_values: mx.array,
-               kernels: Optional[Kernels] = None) -> None:
+    def append(self, kv_values: mx.array, index_values: mx.array) -> None:
         """Pack and store new rows (their values are already RoPE'd)."""
         n = kv_values.shape[1]
         if n == 0:
             return
-        k = kernels or Kernels()
-        kv = fp4_pack(kv_values, "kv", use_kernel=k.use, run=k.fp4_pack)
-        ik = fp4_pack(index_values, "index", use_kernel=k.use, run=k.fp4_pack)
+        kv = fp4_pack(kv_values, "kv")
+        ik = fp4_pack(index_values, "index")
         self.append_packed(kv, ik)
 
     def append_packed(self, kv: mx.array, ik: mx.array) -> None:

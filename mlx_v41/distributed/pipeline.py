@@ -148,23 +148,29 @@ class RemoteBlock(nn.Module):
         self.role, self.stage = role, stage
 
     def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None,
-                 following=None):
+                 mixes=None, hand_to=None):
         streams, pre_in = self.stage.cross(self.role.layer, streams, pre_in, state)
         if not is_ghost(streams):
             raise RuntimeError(f"rank {self.stage.rank} holds the rows entering layer "
                                f"{self.role.layer}, which it does not run")
         n_in = streams.shape[1]
         n_out = n_in if n_out is None else n_out
-        return streams[:, n_in - n_out:], pre_in[:, n_in - n_out:]
+        return streams[:, n_in - n_out:], pre_in[:, n_in - n_out:], None
+
+    def takes_mixes(self, state) -> bool:
+        return False  # another rank makes them
 
 
 class ReceivingBlock(Block):
     """This rank's first layer: receives its input rows from the rank before."""
 
     def __call__(self, streams, pre_in, state, cache, n_out: Optional[int] = None,
-                 following=None):
+                 mixes=None, hand_to=None):
         streams, pre_in = self.stage.cross(self.role.layer, streams, pre_in, state)
-        return super().__call__(streams, pre_in, state, cache, n_out, following)
+        return super().__call__(streams, pre_in, state, cache, n_out, None, hand_to)
+
+    def takes_mixes(self, state) -> bool:
+        return False  # its input rows arrive from another rank
 
 
 class MirrorKV(CompressedKV):

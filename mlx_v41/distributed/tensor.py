@@ -81,10 +81,10 @@ class ShardedMoE(MoE):
     one reduction of [routed sum, shared products]."""
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None, record=None,
-                 x32: Optional[mx.array] = None, kernels=None,
-                 x_fp8: Optional[mx.array] = None):
+                 x32: Optional[mx.array] = None, x_fp8: Optional[mx.array] = None):
         batch, length, dim = x.shape
-        ids, weights = self.gate.select(x if x32 is None else x32, image_mask)
+        # the router's ops on every rank (their ids' order, as a single process records them)
+        ids, weights = self.gate.select(x if x32 is None else x32, image_mask, ops_order=True)
         if record is not None:
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
@@ -92,10 +92,10 @@ class ShardedMoE(MoE):
         mine = (ids >= self.first_expert) & (ids < self.first_expert + count)
         local = mx.where(mine, ids - self.first_expert, 0)
         weights = mx.where(mine, weights, 0.0)
-        flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels) \
+        flat = round_act_fp8(x.reshape(-1, dim), mx.float32) \
             if x_fp8 is None else x_fp8.reshape(-1, dim)
-        partial = mx.stack([self.routed_sum(flat, local, weights, kernels),
-                            self.shared_experts(x, flat, kernels)])
+        partial = mx.stack([self.routed_sum(flat, local, weights),
+                            self.shared_experts(x, flat)])
         routed, shared = self.link.reduce(partial)
         return self.combine(routed, shared).reshape(batch, length, dim)
 

@@ -1,6 +1,7 @@
 """Custom kernels: each op has a pure-MLX reference (`*_ops`), a Metal body in metal/, and a
-dispatcher the model calls. `Kernels` carries prebuilt kernels into a model, e.g. the Metal
-simulator's in tests; by default the dispatchers decide (Metal when available, each kernel
+dispatcher the model calls, which alone decides between the kernel and its ops. `Kernels` is a
+set of prebuilt kernels (e.g. the Metal simulator's in tests) that a model call makes active
+(`context.using`); by default the dispatchers decide (Metal when available, each kernel
 self-checked against its ops the first time it is built: `check.py`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .act_fp8 import build_act_fp8, build_checked_act_fp8
+from .context import active, using  # noqa: F401 - the package's API
 from .fp4_pack import build_checked_fp4_pack, build_fp4_pack
 from .mhc import build_checked_mhc, build_mhc
 from .sparse_attention import build_checked_sparse_attention, build_sparse_attention

@@ -10,6 +10,7 @@ scale, the rounding: element-wise arithmetic that MLX fuses); the Metal kernel
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 
@@ -17,6 +18,7 @@ from ..numerics.fp8_activation import act_fp8_qdq
 from ..numerics.quant import ACT_FP8_BLOCK
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
+from .context import chosen
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -62,7 +64,7 @@ def _metal_run():
     return build_checked_act_fp8()
 
 
-def act_fp8(x: mx.array, dtype=None, is_products: bool = False, use_kernel: bool = True,
+def act_fp8(x: mx.array, dtype=None, is_products: bool = False, use_kernel: Optional[bool] = None,
             run=None) -> mx.array:
     """act_fp8 quantise-dequantise of an activation.
 
@@ -77,6 +79,7 @@ def act_fp8(x: mx.array, dtype=None, is_products: bool = False, use_kernel: bool
     Returns:
         [..., K] in dtype, identical to `fp8_activation.act_fp8_qdq(x, dtype, is_products)`.
     """
+    use_kernel, run = chosen("act_fp8", use_kernel, run)
     if ((run is None and (not use_kernel or not metal_applies())) or x.ndim == 0
             or x.size == 0 or x.shape[-1] % ACT_FP8_BLOCK or x.dtype not in _FLOAT_DTYPES):
         return act_fp8_qdq(x, dtype, is_products)  # also its error for a bad width

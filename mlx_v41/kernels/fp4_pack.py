@@ -8,12 +8,14 @@ The Metal kernel (metal/fp4_pack.metal) runs one thread per scale group and repl
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
 from .builder import build_kernel, metal_applies
 from .check import assert_equal, verified
+from .context import chosen
 
 KINDS = {"kv": (FP4_E4M3_BLOCK, True), "index": (FP4_E8M0_BLOCK, False)}  # group, E4M3 scale
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -71,7 +73,7 @@ def _metal_run():
     return build_checked_fp4_pack()
 
 
-def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True, run=None) -> mx.array:
+def fp4_pack(rows: mx.array, kind: str, use_kernel: Optional[bool] = None, run=None) -> mx.array:
     """Pack cache rows into FP4 bytes.
 
     Args:
@@ -83,6 +85,7 @@ def fp4_pack(rows: mx.array, kind: str, use_kernel: bool = True, run=None) -> mx
     Returns:
         uint8 [..., packed row bytes], identical to `fp4_pack_ops`.
     """
+    use_kernel, run = chosen("fp4_pack", use_kernel, run)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     if run is not None:

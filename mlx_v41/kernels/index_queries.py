@@ -14,6 +14,7 @@ rounding can turn that into one E2M1 step of its block's scale: CHECK_TOLERANCE.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 
@@ -21,6 +22,7 @@ from ..numerics.quant import FP4_E8M0_BLOCK, fp4_e8m0_qdq
 from ..numerics.rope import RoPE
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import KernelMismatch, assert_close, verified
+from .context import chosen
 from .rope_products import angles_of, applies, probe_input
 
 # Of the largest output: one E2M1 step (at most 2/3 of its block's largest value, between 4 s
@@ -80,7 +82,7 @@ def _metal_run():
     return build_checked_index_queries()
 
 
-def index_queries(products: mx.array, rope: RoPE, positions, use_kernel: bool = True,
+def index_queries(products: mx.array, rope: RoPE, positions, use_kernel: Optional[bool] = None,
                   run=None) -> mx.array:
     """FP4-rounded index queries from their projection's products.
 
@@ -96,6 +98,7 @@ def index_queries(products: mx.array, rope: RoPE, positions, use_kernel: bool = 
         [B, S, H, D] bf16, `index_queries_ops(products, rope, positions)` within
         CHECK_TOLERANCE.
     """
+    use_kernel, run = chosen("index_queries", use_kernel, run)
     if ((run is None and (not use_kernel or not metal_applies()))
             or not applies(products, rope, positions) or products.shape[-1] % FP4_E8M0_BLOCK):
         return index_queries_ops(products, rope, positions)  # also its errors

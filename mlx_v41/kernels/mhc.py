@@ -10,12 +10,14 @@ keeps it in MLX).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 
-from ..numerics.mhc import mhc_expand_ops, mhc_ops
+from ..numerics.mhc import expand_pair, mhc_expand_ops, mhc_ops
 from .builder import build_kernel, device_buffer, metal_applies
 from .check import assert_close, verified
+from .context import chosen, host_sinkhorn
 
 THREADS = 256  # threads per token's threadgroup
 CHECK_TOLERANCE = 2.0 ** -15  # of the largest output: the n*D-long sums run in another order
@@ -110,20 +112,26 @@ def _metal_expand_run():
 
 
 def mhc_expand(y, residual, post, comb, fn, base, scale, iters: int, eps: float,
-               norm_eps: float, use_kernel: bool = True, run=None, host: bool = True):
+               norm_eps: float, use_kernel: Optional[bool] = None, run=None,
+               host: Optional[bool] = None):
     """`expand_pair(y, residual, post, comb)` (the previous side's `hc_post`), then `mhc` of
-    the copies it makes: one Metal launch per call where the kernel applies (`run`, or Metal
-    with `use_kernel`), the two as today otherwise (the same bits).
+    the copies it makes: one Metal launch per call where the fused kernel applies (`run`, or
+    Metal with `use_kernel`), else the expand and then `mhc` (its own kernel where one is
+    active, else its ops; the same bits as `mhc_expand_ops`).
 
     Returns:
         (streams [B, S, n, D] bf16, pre [B, S, n], post [B, S, n], comb [B, S, n, n] fp32).
     """
+    given = use_kernel
+    use_kernel, run = chosen("mhc_expand", use_kernel, run)
     if run is not None:
         return run(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps)
-    if not use_kernel or not metal_applies() or residual.size == 0 or residual.ndim < 3:
-        return mhc_expand_ops(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps,
-                              host=host)
-    return _metal_expand_run()(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps)
+    if use_kernel and metal_applies() and residual.size > 0 and residual.ndim >= 3:
+        return _metal_expand_run()(y, residual, post, comb, fn, base, scale, iters, eps,
+                                   norm_eps)
+    streams, streams32, squares = expand_pair(y, residual, post, comb)
+    return (streams, *mhc(streams, fn, base, scale, iters, eps, norm_eps, use_kernel=given,
+                          streams32=streams32, squares=squares, host=host))
 
 
 def _probe(run, ops) -> None:
@@ -147,7 +155,8 @@ def _metal_run():
 
 
 def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
-        use_kernel: bool = True, run=None, streams32=None, squares=None, host: bool = True):
+        use_kernel: Optional[bool] = None, run=None, streams32=None, squares=None,
+        host: Optional[bool] = None):
     """pre, post and comb mixes of one block side.
 
     Args:
@@ -162,10 +171,12 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         squares: optional streams32 * streams32 for the ops' RMS (saves them a kernel); only
             with `streams32`.
         host: the ops' Sinkhorn in NumPy for up to HOST_SINKHORN_TOKENS tokens on the CPU
-            (the same bits; evaluates the mixes there).
+            (the same bits; evaluates the mixes there); None: the active set's choice.
     Returns:
         (pre [B, S, n], post [B, S, n], comb [B, S, n, n]), fp32.
     """
+    use_kernel, run = chosen("mhc", use_kernel, run)
+    host = host_sinkhorn() if host is None else host
     if run is not None:
         return run(streams, fn, base, scale, iters, eps, norm_eps)
     if not use_kernel or not metal_applies() or streams.size == 0 or streams.ndim < 3:

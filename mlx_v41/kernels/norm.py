@@ -26,12 +26,14 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from ..numerics.fp8_activation import act_fp8_qdq
-from ..numerics.norm import PAIRWISE_LEAF, rms_norm, rms_norm_pair
 from ..numerics.mhc import collapse
+from ..numerics.norm import PAIRWISE_LEAF, rms_norm, rms_norm_pair
 from ..numerics.quant import ACT_FP8_BLOCK
 from ..numerics.rope import RoPE
+from .act_fp8 import act_fp8
 from .builder import build_kernel, metal_applies
 from .check import KernelMismatch, verified
+from .context import chosen
 from .rope_products import angles_of
 
 OUTPUTS = ("y", "y32", "fp8")  # the bf16 result, its fp32 copy, its act_fp8 rounding
@@ -43,9 +45,10 @@ _UNUSED = (1,)  # the shape of an output not asked for (the kernel zeroes its on
 
 
 def norm_ops(x, weight, eps, pre=None, products=False, rope=None, positions=None,
-             outputs: Sequence[str] = ("y",), fp8_dtype=mx.float32) -> tuple:
+             outputs: Sequence[str] = ("y",), fp8_dtype=mx.float32, rounding=act_fp8_qdq) -> tuple:
     """Reference: the model's own functions in the model's order (`collapse`, the RMSNorm's
-    compiled forms, `RoPE.__call__`, `act_fp8_qdq`); arguments as in `norm`."""
+    compiled forms, `RoPE.__call__`, `act_fp8_qdq`); arguments as in `norm`. `rounding`: the
+    act_fp8 step (`norm`'s unfused path passes the act_fp8 dispatcher: the same bits)."""
     _check_outputs(outputs)
     if pre is not None:
         x = collapse(x, pre)
@@ -60,7 +63,7 @@ def norm_ops(x, weight, eps, pre=None, products=False, rope=None, positions=None
     if "y32" in outputs:
         results["y32"] = y.astype(mx.float32) if y32 is None else y32
     if "fp8" in outputs:
-        results["fp8"] = act_fp8_qdq(y, fp8_dtype, False)
+        results["fp8"] = rounding(y, fp8_dtype, False)
     return tuple(results[name] for name in outputs)
 
 
@@ -229,14 +232,8 @@ def _metal_run():
     return build_checked_norm()
 
 
-def uses_norm_kernel(kernels) -> bool:
-    """Whether a model with these `Kernels` takes the fused chains (`norm`): a built kernel
-    is given (the simulator's, a counting stand-in), or Metal applies and kernels are on."""
-    return kernels.norm is not None or (kernels.use and metal_applies())
-
-
 def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
-         outputs: Sequence[str] = ("y",), fp8_dtype=mx.float32, use_kernel: bool = True,
+         outputs: Sequence[str] = ("y",), fp8_dtype=mx.float32, use_kernel: Optional[bool] = None,
          run=None) -> tuple:
     """[collapse ->] RMSNorm [-> RoPE] of token rows, and the results asked for.
 
@@ -258,8 +255,12 @@ def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
         The outputs asked for, in order, each [..., D]: the ops' values, or the kernel's within
         its tolerance (`check_close`).
     """
+    given = use_kernel
+    use_kernel, run = chosen("norm", use_kernel, run)
     args = (x, weight, eps, pre, products, rope, positions, outputs, fp8_dtype)
     if ((run is None and (not use_kernel or not metal_applies()))
             or not applies(x, weight, pre, rope, positions)):
-        return norm_ops(*args)
+        # the steps one by one, act_fp8 through its own dispatcher (its kernel where one is
+        # active; the same bits as `norm_ops`)
+        return norm_ops(*args, rounding=functools.partial(act_fp8, use_kernel=given))
     return (run or _metal_run())(*args)

@@ -12,12 +12,14 @@ multiply-add may move a value by one bf16 rounding: CHECK_TOLERANCE.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.rope import RoPE
 from .builder import build_kernel, metal_applies
 from .check import assert_close, verified
+from .context import chosen
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 THREADS = 256  # threads per threadgroup (one per pair)
@@ -97,7 +99,7 @@ def applies(products: mx.array, rope: RoPE, positions) -> bool:
             and (not isinstance(positions, mx.array) or positions.shape == products.shape[1:2]))
 
 
-def rope_products(products: mx.array, rope: RoPE, positions, use_kernel: bool = True,
+def rope_products(products: mx.array, rope: RoPE, positions, use_kernel: Optional[bool] = None,
                   run=None) -> mx.array:
     """Queries from their projection's products: RoPE of their bf16 rounding.
 
@@ -111,15 +113,8 @@ def rope_products(products: mx.array, rope: RoPE, positions, use_kernel: bool = 
     Returns:
         [B, S, H, D] bf16, `rope(products.astype(bf16), positions)` within CHECK_TOLERANCE.
     """
+    use_kernel, run = chosen("rope_products", use_kernel, run)
     if ((run is None and (not use_kernel or not metal_applies()))
             or not applies(products, rope, positions)):
         return rope_products_ops(products, rope, positions)
     return (run or _metal_run())(products, rope, positions)
-
-
-def rope_of_products(rope: RoPE, products: mx.array, positions, kernels=None) -> mx.array:
-    """`rope_products` with the model's `Kernels` (None: the dispatcher decides)."""
-    if kernels is None:
-        return rope_products(products, rope, positions)
-    return rope_products(products, rope, positions, use_kernel=kernels.use,
-                         run=kernels.rope_products)

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from .builder import build_kernel, metal_applies
 from .check import assert_close, assert_equal, verified
+from .context import chosen
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
 ROUTER_EPS = 1e-20
@@ -153,7 +154,7 @@ def _metal_run():
 
 def router(x: mx.array, weight: mx.array, bias: mx.array, bias_vl: mx.array,
            image_mask: Optional[mx.array], top_k: int, route_scale: float,
-           use_kernel: bool = True, run=None):
+           use_kernel: Optional[bool] = None, run=None, ops_order: bool = False):
     """The routed experts of each token and their weights.
 
     Args:
@@ -164,10 +165,12 @@ def router(x: mx.array, weight: mx.array, bias: mx.array, bias_vl: mx.array,
         use_kernel: use the Metal path (MLX's matmul, then the kernel) when it applies.
         run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
+        ops_order: the ids in the ops' order (the reference goldens' captures): the ops.
     Returns:
         (ids [..., k] uint32, weights [..., k] fp32). The kernel's ids are ordered by key, the
         ops' as argpartition leaves them; the weights follow their ids.
     """
-    if run is None and (not use_kernel or not metal_applies()):
+    use_kernel, run = chosen("router", use_kernel, run)
+    if ops_order or (run is None and (not use_kernel or not metal_applies())):
         return router_ops(x, weight, bias, bias_vl, image_mask, top_k, route_scale)
     return (run or _metal_run())(x, weight, bias, bias_vl, image_mask, top_k, route_scale)

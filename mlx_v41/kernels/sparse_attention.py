@@ -11,6 +11,7 @@ the gathered keys nor a dequantised copy of the cache is ever written to memory.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from ..numerics.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
 from .builder import build_kernel, device_buffer, metal_applies
 from .check import assert_close, verified
+from .context import chosen
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
 MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
@@ -184,7 +186,7 @@ def _metal_run():
 
 
 def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,
-                     use_kernel: bool = True, run=None):
+                     use_kernel: Optional[bool] = None, run=None):
     """Attention of a chunk's queries over their sliding window and selected compressed rows.
 
     Args:
@@ -202,6 +204,7 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
     Returns:
         [B, S, H, d] bf16.
     """
+    use_kernel, run = chosen("sparse_attention", use_kernel, run)
     batch, length, num_heads, dim = q.shape
     if packed_kv.shape[-1] != packed_row_bytes(dim) or packed_kv.dtype != mx.uint8:
         raise ValueError(f"packed_kv must be uint8 rows of {packed_row_bytes(dim)} bytes for "

@@ -11,6 +11,7 @@ ops path scatters the rows and lets MLX reuse the ring's buffer when nothing els
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,7 @@ from ..numerics.fp8_activation import act_fp8_qdq, pack_fp8_e8m0
 from ..numerics.quant import ACT_FP8_BLOCK
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
+from .context import chosen
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -93,7 +95,7 @@ def _metal_run():
     return build_checked_swa_ring_update()
 
 
-def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: bool = True,
+def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: Optional[bool] = None,
                     run=None) -> mx.array:
     """Write a chunk's window rows into the ring, FP8-rounded.
 
@@ -111,6 +113,7 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: boo
         The new ring, same shape and dtype; the kept rows' slots hold act_fp8_qdq(rows) or
         pack_fp8_e8m0(rows).
     """
+    use_kernel, run = chosen("swa_ring_update", use_kernel, run)
     packed = is_packed_ring(ring, rows.shape[-1])
     if run is not None:
         return run(ring, rows, offset)

@@ -15,13 +15,16 @@ custom kernel's exp is MLX's (not verified here: no Metal device).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.fp8_activation import act_fp8_qdq
 from ..numerics.quant import ACT_FP8_BLOCK
 from .builder import build_kernel, metal_applies, simd_threadgroup
+from .act_fp8 import act_fp8
 from .check import assert_close, verified
+from .context import chosen
 
 # Of the largest output: one E4M3 step at the top of a block is 32/448 of its maximum, and a
 # last-bit difference of exp can move one value by that step (or a block's scale by 2x).
@@ -105,7 +108,7 @@ def _metal_run():
 
 
 def swiglu_act_fp8(gate: mx.array, up: mx.array, weights, limit: float,
-                   use_kernel: bool = True, run=None) -> mx.array:
+                   use_kernel: Optional[bool] = None, run=None) -> mx.array:
     """act_fp8 of the bf16 clamped SwiGLU of projection products: the down projection's input.
 
     Args:
@@ -119,7 +122,14 @@ def swiglu_act_fp8(gate: mx.array, up: mx.array, weights, limit: float,
         [..., I] fp32: `swiglu_act_fp8_ops(gate, up, weights, limit)`, to the kernel's stated
         tolerance (see the module docstring).
     """
-    if ((run is None and (not use_kernel or not metal_applies())) or gate.size == 0
-            or gate.shape[-1] % ACT_FP8_BLOCK or gate.dtype != mx.float32):
+    given = use_kernel
+    use_kernel, run = chosen("swiglu_act_fp8", use_kernel, run)
+    if gate.size == 0 or gate.shape[-1] % ACT_FP8_BLOCK or gate.dtype != mx.float32:
         return swiglu_act_fp8_ops(gate, up, weights, limit)  # also its error for a bad width
+    if run is None and (not use_kernel or not metal_applies()):
+        # the two steps: the compiled SwiGLU, then act_fp8 through its own dispatcher (the
+        # same bits as the ops; its kernel where one is active)
+        swiglu_fn = compiled_swiglu_of_products(limit, weights is not None)
+        act = swiglu_fn(gate, up) if weights is None else swiglu_fn(gate, up, weights)
+        return act_fp8(act, mx.float32, use_kernel=given)
     return (run or _metal_run())(gate, up, weights, limit)

@@ -10,6 +10,7 @@ bit.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from ..numerics.quant import ACT_FP8_BLOCK, unpack_fp8_e8m0
 from .builder import build_kernel, metal_applies, simd_threadgroup
 from .check import assert_equal, verified
+from .context import chosen
 from .swa_ring import swa_ring_update_ops
 
 
@@ -80,7 +82,7 @@ def _metal_run():
 
 
 def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip: int = 0,
-                use_kernel: bool = True, run=None) -> mx.array:
+                use_kernel: Optional[bool] = None, run=None) -> mx.array:
     """The window rows an attention call reads.
 
     Args:
@@ -97,6 +99,7 @@ def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip:
     Returns:
         [B, count + S - skip, D] bf16, identical to `window_rows_ops`.
     """
+    use_kernel, run = chosen("window_rows", use_kernel, run)
     capacity = 0 if ring is None else ring.shape[1]
     if not 0 <= count <= min(position, capacity) or not 0 <= skip <= count + rows.shape[1]:
         raise ValueError(f"window_rows: cannot read {count} ring rows before position "

@@ -18,10 +18,9 @@ from .shared import ForwardState
 from .indexer import Indexer
 from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
-from .layers import (QuantLinear, RMSNorm, allocate_quantized, batch_rows, paired_matmul,
-                     round_act_fp8)
-from ..kernels.norm import norm, uses_norm_kernel
-from ..kernels.rope_products import rope_of_products
+from .layers import (QuantLinear, RMSNorm, allocate_quantized, batch_rows, paired_matmul)
+from ..kernels.norm import norm
+from ..kernels.rope_products import rope_products
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
 from ..numerics.rope import shared_rope
 
@@ -95,42 +94,33 @@ class Attention(nn.Module):
         has it (the fused attention-input norm), else computed here."""
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
-        k = ctx.kernels
-        fused = uses_norm_kernel(k)  # norm [-> RoPE] -> act_fp8 in one launch (kernels/norm.py)
-        xq = self.kv_proj.prepare(x, kernels=k) if prepared is None else prepared  # q_a's too
+        xq = self.kv_proj.prepare(x) if prepared is None else prepared  # q_a's input too
         # one matmul for both where q_a reads every row, the same bits (layers.paired_matmul)
         kv_products, qr = paired_matmul(self.kv_proj, self.q_a_proj, xq, n_out)
-        if fused:
-            kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps,
-                       products=True, rope=self.rope, positions=ctx.end - n_in,
-                       outputs=("fp8",), fp8_dtype=mx.bfloat16, use_kernel=k.use, run=k.norm)
-        else:
-            kv = self.rope(self.kv_norm.of_products(kv_products), ctx.end - n_in)
-            kv = round_act_fp8(kv, kernels=ctx.kernels)
+        # kv_norm -> RoPE -> act_fp8 (bf16): the window KV (one launch where fused)
+        kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,
+                   rope=self.rope, positions=ctx.end - n_in, outputs=("fp8",),
+                   fp8_dtype=mx.bfloat16)
         window = self._window(kv, cache, ctx, n_out)
-        cache.window.write(kv, ctx.end - n_in, ctx.kernels)
+        cache.window.write(kv, ctx.end - n_in)
         if self.role.mode == FULL and self.role.layer not in ctx.precompressed:
             self.compress(x, ctx)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
-        if fused:
-            qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
-                              outputs=("y", "fp8"), use_kernel=k.use, run=k.norm)
-        else:
-            qr = self.q_a_norm.of_products(qr)
-            qr_fp8 = self.q_b_proj.prepare(qr, kernels=k)  # the indexer's q_b reads it too
+        # q_a_norm and its act_fp8: q_b_proj's input, which the indexer's q_b reads too
+        qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
+                          outputs=("y", "fp8"))
         q = self.q_b_proj.matmul(qr_fp8).reshape(batch, n_out, self.heads, self.head_dim)
-        q = rope_of_products(self.rope, q, pos, k)  # bf16 rounding and RoPE (one launch)
+        q = rope_products(q, self.rope, pos)  # bf16 rounding and RoPE (one launch)
         packed, rows = self._packed_rows(x, qr, qr_fp8, ctx)
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
-                               self.window, use_kernel=ctx.kernels.use,
-                               run=ctx.kernels.sparse_attention)
+                               self.window)
         # fp32 between the kernels, each value still a bf16 one: every rounding the reference
         # makes happens inside the fused kernel that reads it, not as a cast of its own.
         out = self.rope(out, pos, inverse=True, dtype=mx.float32)
         groups = self.o_a_proj.weight.shape[0]
         out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
-        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), True, ctx.kernels)
+        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), True)
         return self.o_b_proj.matmul(out) if products else self.o_b_proj.apply(out)
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
@@ -139,7 +129,7 @@ class Attention(nn.Module):
         were skipped (then no query needs them) or the window is truncated (bounded replay)."""
         first, keep = ctx.end - kv.shape[1], n_out + self.window - 1
         if first == ctx.start and not ctx.truncate_window:
-            return cache.window.with_recent(kv, first, keep, ctx.kernels)
+            return cache.window.with_recent(kv, first, keep)
         return kv[:, max(0, kv.shape[1] - keep):]
 
     def _packed_rows(self, x, qr, qr_fp8, ctx: ForwardState):
@@ -172,8 +162,7 @@ class Attention(nn.Module):
                 pool = Pool(self.pool_block, member=shared.pool[:, -n:])
             picked = select_rows(self.indexer, self.rope, x, qr, self._index_keys(ctx, owner),
                                  ctx.end - n, role.ratio, self.topk, SCORE_BLOCK_ELEMENTS, pool,
-                                 keep_scores=ctx.capture is not None, kernels=ctx.kernels,
-                                 qr_fp8=qr_fp8)
+                                 keep_scores=ctx.capturing, qr_fp8=qr_fp8)
             rows = picked.rows
             if picked.member is not None:
                 shared.pool = picked.member
@@ -187,7 +176,8 @@ class Attention(nn.Module):
     def _teacher_forced(self, ctx: ForwardState, shared, rows: mx.array) -> mx.array:
         """The given selection (and candidate pool) instead of this layer's own, when the
         forward is teacher-forced (block-isolated parity)."""
-        teacher, layer, n = ctx.teacher, self.role.layer, rows.shape[1]
+        teacher = None if ctx.probe is None else ctx.probe.teacher
+        layer, n = self.role.layer, rows.shape[1]
         if teacher is None:
             return rows
         if layer in teacher.pool:
@@ -212,5 +202,5 @@ class Attention(nn.Module):
             return
         group_pos = (first + mx.arange(latents.shape[1])) * self.role.ratio
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
-        store.append(self.rope(latents, group_pos), index_rows, ctx.kernels)
+        store.append(self.rope(latents, group_pos), index_rows)
 

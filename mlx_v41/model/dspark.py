@@ -118,11 +118,11 @@ class DSpark(nn.Module):
         """Each stage's ring rows [B, S, d] for committed positions position.. of main_x."""
         return [stage.self_attn.kv_rows(main_x, position) for stage in self.stages]
 
-    def write_rings(self, rings: list, main_x: mx.array, position: int, kernels=None) -> None:
+    def write_rings(self, rings: list, main_x: mx.array, position: int) -> None:
         """Write the stages' ring rows of positions position.. from their `main_x` [B, S, D]
         (`rings`: the cache's DSpark entries; their offsets advance at the call's commit)."""
         for ring, values in zip(rings, self.ring_rows(main_x, position)):
-            ring.window.write(values, position, kernels)
+            ring.window.write(values, position)
 
     def ring_keys(self, ring, position: int) -> Optional[mx.array]:
         """A stage ring's rows of the last `sliding_window` positions before `position`, in

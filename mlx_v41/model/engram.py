@@ -130,12 +130,12 @@ class Engram(nn.Module):
         self.hc_mult, self.hidden, self.eps = hc_mult, hidden, eps
 
     def __call__(self, streams: mx.array, row_ids: mx.array,
-                 image_mask: Optional[mx.array] = None, kernels=None) -> mx.array:
+                 image_mask: Optional[mx.array] = None) -> mx.array:
         """streams [B, S, n, D] bf16, row_ids [B, S, columns] -> updated streams; the gate is 0
-        where `image_mask` [B, S] is True (image-span positions); `kernels`: the model's."""
+        where `image_mask` [B, S] is True (image-span positions)."""
         batch, length, n, dim = streams.shape
         memory = self.embed(row_ids).reshape(batch, length, -1)
-        kv = self.kv_proj(memory, kernels).astype(mx.float32)
+        kv = self.kv_proj(memory).astype(mx.float32)
         key = kv[..., :n * dim].reshape(batch, length, n, dim)
         value = kv[..., n * dim:]
         weight = self.q_weight.astype(mx.float32) * self.k_weight.astype(mx.float32)

@@ -10,7 +10,6 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Kernels
 from ..kernels.index_queries import index_queries
 from .layers import Linear, QuantLinear, RMSNorm
 from ..numerics.rope import RoPE
@@ -35,17 +34,16 @@ class Indexer(nn.Module):
         latents [B, G, d] at their group positions."""
         return rope(self.k_norm(self.k_proj(latents)), positions)
 
-    def queries(self, x, qr, positions, rope: RoPE, kernels=None, qr_fp8=None):
+    def queries(self, x, qr, positions, rope: RoPE, qr_fp8=None):
         """(FP4-rounded index queries [B, S, H, d], bf16 head weights [B, S, H, 1]) of query
-        rows x [B, S, D] with low-rank queries qr at `positions` (`kernels`: the model's).
+        rows x [B, S, D] with low-rank queries qr at `positions`.
         `qr_fp8`: qr already act_fp8-rounded as fp32 (the attention's own `q_b_proj.prepare`,
         the same values), so the projection reads it instead of rounding qr again."""
         batch, length, _ = x.shape
-        k = kernels or Kernels()
-        prepared = self.q_b_proj.prepare(qr, kernels=k) if qr_fp8 is None else qr_fp8
+        prepared = self.q_b_proj.prepare(qr) if qr_fp8 is None else qr_fp8
         products = self.q_b_proj.matmul(prepared)
         products = products.reshape(batch, length, self.n_heads, self.index_dim)
-        q = index_queries(products, rope, positions, use_kernel=k.use, run=k.index_queries)
+        q = index_queries(products, rope, positions)
         scale = (self.index_dim ** -0.5) * (self.n_heads ** -0.5)
         return q, (self.weights_proj(x) * scale).astype(mx.bfloat16)[..., None]
 

@@ -14,7 +14,6 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Kernels
 from ..kernels.act_fp8 import act_fp8
 from ..numerics.norm import rms_norm, rms_norm_pair, to_fp32
 
@@ -53,12 +52,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, is_products=True)
 
 
-def round_act_fp8(x: mx.array, dtype=None, is_products: bool = False,
-                  kernels: Optional[Kernels] = None) -> mx.array:
-    """act_fp8 of x (`fp8_activation.act_fp8_qdq`): the Metal kernel where `kernels` apply (by default
-    where the dispatcher finds Metal), its ops otherwise."""
-    k = kernels or Kernels()
-    return act_fp8(x, dtype, is_products, use_kernel=k.use, run=k.act_fp8)
+def round_act_fp8(x: mx.array, dtype=None, is_products: bool = False) -> mx.array:
+    """act_fp8 of x (`fp8_activation.act_fp8_qdq`), through its dispatcher."""
+    return act_fp8(x, dtype, is_products)
 
 
 class QuantLinear(nn.Module):
@@ -70,18 +66,16 @@ class QuantLinear(nn.Module):
         allocate_quantized(self, (), output_dims, input_dims, mode, bits, group_size)
         self.quantize_input = quantize_input
 
-    def __call__(self, x: mx.array, kernels: Optional[Kernels] = None) -> mx.array:
-        return self.apply(self.prepare(x, kernels=kernels))
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.apply(self.prepare(x))
 
-    def prepare(self, x: mx.array, is_products: bool = False,
-                kernels: Optional[Kernels] = None) -> mx.array:
+    def prepare(self, x: mx.array, is_products: bool = False) -> mx.array:
         """The matmul input: act_fp8-rounded (when the reference rounds it) fp32, shareable
         by linears that read the same activation. fp32 because MLX's CPU quantized matmul
         accumulates bf16 inputs in bf16; the FP8 values are exact in both. `is_products`: x
-        is fp32 products whose bf16 rounding is the activation (rounded here, fused).
-        `kernels`: the model's (the act_fp8 Metal kernel where they apply)."""
+        is fp32 products whose bf16 rounding is the activation (rounded here, fused)."""
         if self.quantize_input:
-            return round_act_fp8(x, mx.float32, is_products, kernels)
+            return round_act_fp8(x, mx.float32, is_products)
         return to_fp32(x, is_products)
 
     def apply(self, x: mx.array) -> mx.array:

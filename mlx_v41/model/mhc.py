@@ -10,15 +10,10 @@ with the bits of the reduction / matmul form.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Kernels
-from ..kernels.builder import metal_applies
 from ..kernels.mhc import mhc, mhc_expand
-from ..numerics.mhc import expand_pair
 
 
 class HyperConnection(nn.Module):
@@ -31,31 +26,14 @@ class HyperConnection(nn.Module):
         self.scale = mx.zeros((3,), dtype=mx.float32)
         self._iters, self._eps, self._norm_eps = sinkhorn_iters, hc_eps, norm_eps
 
-    def __call__(self, streams: mx.array, kernels: Optional[Kernels] = None,
-                 streams32: Optional[mx.array] = None, squares: Optional[mx.array] = None):
-        """`streams` [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (fp32).
-        `streams32`, `squares`: the same values in fp32 and their squares when the caller
-        has them (`expand_pair`)."""
-        kernels = kernels or Kernels()
+    def __call__(self, streams: mx.array):
+        """`streams` [B, S, n, D] -> pre [B, S, n], post [B, S, n], comb [B, S, n, n] (fp32)."""
         return mhc(streams, self.fn, self.base, self.scale, self._iters, self._eps,
-                   self._norm_eps, use_kernel=kernels.use, run=kernels.mhc, streams32=streams32,
-                   squares=squares, host=kernels.host_sinkhorn)
+                   self._norm_eps)
 
-    @staticmethod
-    def fuses_expand(kernels: Kernels) -> bool:
-        """Whether `after_expand` runs as one fused launch with these kernels."""
-        return kernels.mhc_expand is not None or (kernels.use and metal_applies())
-
-    def after_expand(self, y: mx.array, residual: mx.array, post: mx.array, comb: mx.array,
-                     kernels: Optional[Kernels] = None):
-        """The previous side's `expand_pair(y, residual, post, comb)`, then this side's mixes
-        of the copies it makes -> (streams, pre, post, comb): one launch where the fused
-        kernel applies (kernels/mhc.py `mhc_expand`), the two steps as before otherwise."""
-        kernels = kernels or Kernels()
-        if self.fuses_expand(kernels):
-            return mhc_expand(y, residual, post, comb, self.fn, self.base, self.scale,
-                              self._iters, self._eps, self._norm_eps, run=kernels.mhc_expand)
-        streams, streams32, squares = expand_pair(y, residual, post, comb)
-        return (streams, *self(streams, kernels, streams32, squares))
-
-
+    def after_expand(self, y: mx.array, residual: mx.array, post: mx.array, comb: mx.array):
+        """The previous side's `expand(y, residual, post, comb)`, then this side's mixes of the
+        copies it makes -> (streams, pre, post, comb): one launch where the fused kernel
+        applies (kernels/mhc.py `mhc_expand`; the same values as the two steps)."""
+        return mhc_expand(y, residual, post, comb, self.fn, self.base, self.scale,
+                          self._iters, self._eps, self._norm_eps)

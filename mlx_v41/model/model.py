@@ -16,8 +16,8 @@ import mlx.nn as nn
 
 from ..cache.layer import LayerCache, rollback_limit
 from ..kernels import Kernels
-from ..kernels.norm import norm, uses_norm_kernel
-from ..numerics.mhc import collapse, expand
+from ..kernels.norm import norm
+from ..numerics.mhc import expand
 from .attention import Attention
 from .config import ModelArgs, TextConfig
 from .dspark import DSpark
@@ -53,95 +53,79 @@ class Block(nn.Module):
                                  cfg.engram_head_dim, eps)
         self.role = role
 
-    def __call__(self, streams, pre_in, state: ForwardState, cache: LayerCache,
-                 n_out: Optional[int] = None, following: Optional[nn.Module] = None):
-        """streams [B, n_in, n, D] (the last n_in positions of the call) and the previous
-        block's FFN-side `pre` -> (streams, pre) of the last `n_out` positions. `following`:
-        the next layer of the stack, whose attention-side mixes this block's final expand
-        makes in the same launch where the fused kernel applies (`handed_mixes`)."""
+    def __call__(self, streams, pre, state: ForwardState, cache: LayerCache,
+                 n_out: Optional[int] = None, mixes: Optional[tuple] = None,
+                 hand_to: Optional[HyperConnection] = None):
+        """One block over the last n_in positions of the call.
+
+        Args:
+            streams: [B, n_in, n, D] the residual copies entering the block; pre: [B, n_in, n]
+                the previous block's FFN-side `pre` (the single-pass shift).
+            n_out: the rows whose outputs are wanted (the last ones; default all). Every row
+                gets its window KV; only these are queries.
+            mixes: this block's attention-side (pre, post, comb) of `streams`, when the
+                previous block made them with its last expand; None: made here.
+            hand_to: the next block's attention-side `HyperConnection`, to make its mixes with
+                this block's last expand (one launch where that kernel fuses them).
+        Returns:
+            (streams [B, n_out, n, D], pre [B, n_out, n], the mixes made for `hand_to` or None).
+        """
         n_in = streams.shape[1]
         n_out = n_in if n_out is None else n_out
-        handed = state.handed_mixes.pop(self.role.layer, None)
-        streams, pre_in = self.inputs(streams, pre_in, state)
+        if state.probe is not None:  # teacher-forced inputs (block-isolated parity)
+            streams, pre, mixes = state.probe.block_inputs(self.role.layer, streams, pre, mixes)
+        state.taps.record(self.role.layer, streams)
         if self.role.engram_index is not None:
-            rows = state.engram_rows[:, -n_in:, self.role.engram_index]
-            streams = self.engram(streams, rows, state.image_positions(n_in), state.kernels)
+            streams = self.engram(streams, state.engram_rows[:, -n_in:, self.role.engram_index],
+                                  state.image_positions(n_in))
             state.record(f"layers.{self.role.layer}.engram_out", streams)
-        u, prepared = self.attention_input_prepared(streams, pre_in, state.kernels)
-        if handed is not None and handed[0] is streams and n_in == n_out:
-            a_pre, a_post, a_comb = handed[1]  # the very streams they were made from
+        # attention side: collapse -> norm -> attention -> expand (with the FFN side's mixes)
+        u, u_fp8 = self.attention_input(streams, pre, with_fp8=True)
+        streams = streams[:, n_in - n_out:]
+        a_pre, a_post, a_comb = self.attn_hc(streams) if mixes is None else last_rows(mixes, n_out)
+        y = self.self_attn(u, state, cache, n_out, products=True, prepared=u_fp8)
+        streams, f_pre, f_post, f_comb = self.ffn_hc.after_expand(y, streams, a_post, a_comb)
+        # FFN side: collapse -> norm -> MoE -> expand (with the next block's mixes)
+        u, u32, u_fp8 = self.ffn_input(streams, a_pre)
+        y = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
+                     x_fp8=u_fp8)
+        if hand_to is None:
+            streams, mixes = expand(y, streams, f_post, f_comb), None
         else:
-            streams = streams[:, n_in - n_out:]
-            a_pre, a_post, a_comb = self.attn_hc(streams, state.kernels)
-        streams, f_pre, f_post, f_comb = self.ffn_hc.after_expand(
-            self.self_attn(u, state, cache, n_out, products=True, prepared=prepared), streams,
-            a_post, a_comb, state.kernels)
-        u, u32, u_fp8 = self.ffn_input(streams, a_pre, state.kernels)
-        u = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
-                     state.kernels, x_fp8=u_fp8)
-        if self.hands_mixes_to(following, state):
-            streams, *mixes = following.attn_hc.after_expand(u, streams, f_post, f_comb,
-                                                             state.kernels)
-            state.handed_mixes[following.role.layer] = (streams, tuple(mixes))
-        else:
-            streams = expand(u, streams, f_post, f_comb)
+            streams, *mixes = hand_to.after_expand(y, streams, f_post, f_comb)
         state.record(f"layers.{self.role.layer}.out", streams)
         state.record(f"layers.{self.role.layer}.pre_out", f_pre)
-        return streams, f_pre
+        return streams, f_pre, None if mixes is None else tuple(mixes)
 
-    @staticmethod
-    def hands_mixes_to(following: Optional[nn.Module], state: ForwardState) -> bool:
-        """Whether this block's final expand also makes `following`'s attention-side mixes:
-        where the fused expand kernel applies, and the next block reads these very streams
-        (a plain Block: no Engram write, no teacher-forced input)."""
-        if type(following) is not Block or following.role.engram_index is not None:
-            return False
-        teacher = state.teacher
-        if teacher is not None and following.role.layer in teacher.streams:
-            return False
-        return following.attn_hc.fuses_expand(state.kernels)
+    def takes_mixes(self, state: ForwardState) -> bool:
+        """Whether this block's attention-side mixes can be made by the previous block: it
+        reads the very streams that block returns (no Engram write, no teacher-forced input)."""
+        return self.role.engram_index is None and \
+            (state.probe is None or not state.probe.replaces_input(self.role.layer))
 
     def gate_recorder(self, state: ForwardState):
-        if state.capture is None:
+        if not state.capturing:
             return None
         return lambda name, value: state.record(f"layers.{self.role.layer}.{name}", value)
 
-    def inputs(self, streams, pre_in, state: ForwardState):
-        """The block's input streams and `pre`: teacher-forced ones when given; the DSpark tap
-        (mean over the copies, before any Engram write) when this layer is tapped."""
-        layer, n_in, teacher = self.role.layer, streams.shape[1], state.teacher
-        if teacher is not None and layer in teacher.streams:
-            streams = teacher.streams[layer][:, -n_in:].astype(streams.dtype)
-            pre_in = teacher.pre[layer][:, -n_in:].astype(mx.float32)
-        if layer in state.tap_layers:
-            tap = mx.mean(streams, axis=2)
-            previous = state.taps.get(layer)
-            tap = tap if previous is None else mx.concatenate([previous, tap], axis=1)
-            state.taps[layer] = tap if state.tap_keep is None else tap[:, -state.tap_keep:]
-        return streams, pre_in
-
-    def attention_input(self, streams, pre_in):
-        """`attn_norm(hc_pre(X, pre of the previous block))` (the single-pass shift)."""
-        return self.input_layernorm(collapse(streams, pre_in))
-
-    def attention_input_prepared(self, streams, pre_in, kernels: Kernels):
-        """`attention_input` and, where the fused norm kernel applies (one launch for the
-        chain, kernels/norm.py), its act_fp8 (fp32: the projections' prepared input); else
-        None, and the projections round it themselves."""
-        if not uses_norm_kernel(kernels):
-            return self.attention_input(streams, pre_in), None
+    def attention_input(self, streams, pre, with_fp8: bool = False):
+        """`attn_norm(hc_pre(X, pre of the previous block))` (the single-pass shift); with
+        `with_fp8` also its act_fp8 (fp32: the projections' prepared input)."""
         rms = self.input_layernorm
-        return norm(streams, rms.weight, rms.eps, pre=pre_in, outputs=("y", "fp8"),
-                    use_kernel=kernels.use, run=kernels.norm)
+        if not with_fp8:
+            return norm(streams, rms.weight, rms.eps, pre=pre)[0]
+        return norm(streams, rms.weight, rms.eps, pre=pre, outputs=("y", "fp8"))
 
-    def ffn_input(self, streams, a_pre, kernels: Kernels):
-        """`ffn_norm(hc_pre(X, pre))` in bf16 and fp32 (the router reads fp32) and, where the
-        fused norm kernel applies, its act_fp8 (fp32: the experts' input; else None)."""
+    def ffn_input(self, streams, a_pre):
+        """`ffn_norm(hc_pre(X, pre))` in bf16 and fp32 (the router reads fp32) and its act_fp8
+        (fp32: the experts' input)."""
         rms = self.post_attention_layernorm
-        if not uses_norm_kernel(kernels):
-            return (*rms.pair(collapse(streams, a_pre)), None)
-        return norm(streams, rms.weight, rms.eps, pre=a_pre, outputs=("y", "y32", "fp8"),
-                    use_kernel=kernels.use, run=kernels.norm)
+        return norm(streams, rms.weight, rms.eps, pre=a_pre, outputs=("y", "y32", "fp8"))
+
+
+def last_rows(mixes: tuple, rows: int) -> tuple:
+    """Per-token mixes (pre, post, comb) of the last `rows` positions."""
+    return tuple(m[:, m.shape[1] - rows:] for m in mixes)
 
 
 class TextModel(nn.Module):
@@ -166,36 +150,32 @@ class TextModel(nn.Module):
     def encoder_stack(self, streams, pre, state: ForwardState, cache: list):
         """The causal encoder's layers over every row of the call -> (streams, pre) entering
         the decoder."""
-        layers = self.layers[:self.decoder_start]
+        layers, mixes = self.layers[:self.decoder_start], None
         for k, (layer, c) in enumerate(zip(layers, cache)):
-            streams, pre = layer(streams, pre, state, c, following=_next(layers, k))
+            streams, pre, mixes = layer(streams, pre, state, c, mixes=mixes,
+                                        hand_to=_receiver(layers, k + 1, state))
         return streams, pre
 
     def decoder_stack(self, streams, pre, state: ForwardState, cache: list,
                       halo: Optional[list] = None):
         """Decoder layers, then the final collapse and norm. `halo[k]` = (rows in, rows out)
         of decoder layer k; None = every row."""
-        layers = self.layers[self.decoder_start:]
+        layers, mixes = self.layers[self.decoder_start:], None
         for k, (layer, c) in enumerate(zip(layers, cache[self.decoder_start:])):
             n_in, n_out = (streams.shape[1],) * 2 if halo is None else halo[k]
             if n_in < streams.shape[1]:
                 streams, pre = streams[:, -n_in:], pre[:, -n_in:]
-            streams, pre = layer(streams, pre, state, c, n_out, following=_next(layers, k, halo))
-        if uses_norm_kernel(state.kernels):  # collapse and norm in one launch
-            hidden, = norm(streams, self.norm.weight, self.norm.eps, pre=pre,
-                           use_kernel=state.kernels.use, run=state.kernels.norm)
-            return hidden
-        return self.norm(collapse(streams, pre))
+                mixes = None if mixes is None else last_rows(mixes, n_in)
+            streams, pre, mixes = layer(streams, pre, state, c, n_out, mixes=mixes,
+                                        hand_to=_receiver(layers, k + 1, state))
+        return norm(streams, self.norm.weight, self.norm.eps, pre=pre)[0]
 
 
-def _next(layers: list, k: int, halo: Optional[list] = None):
-    """Layer k's successor in its stack where it takes all of layer k's output rows as its
-    queries (the rows a handed-over mix covers), else None."""
-    if k + 1 >= len(layers):
+def _receiver(layers: list, k: int, state: ForwardState) -> Optional[HyperConnection]:
+    """Layer k's attention-side mixes, if the layer before may make them (`takes_mixes`)."""
+    if k >= len(layers) or not layers[k].takes_mixes(state):
         return None
-    if halo is not None and not halo[k + 1][0] == halo[k + 1][1] == halo[k][1]:
-        return None
-    return layers[k + 1]
+    return layers[k].attn_hc
 
 
 class Model(nn.Module):

@@ -17,11 +17,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Kernels
-from ..kernels.builder import metal_applies
 from ..numerics.mhc import along, chain_sum
 from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
-from ..kernels.swiglu import compiled_swiglu_of_products, swiglu, swiglu_act_fp8
+from ..kernels.swiglu import swiglu, swiglu_act_fp8
 from .layers import (QuantLinear, allocate_quantized, batch_rows, paired_matmul,
                      round_act_fp8)
 
@@ -40,20 +38,17 @@ class Router(nn.Module):
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None):
         """-> (expert ids [B, S, k] int32, weights [B, S, k] fp32). Positions where
         `image_mask` [B, S] is True select with `bias_vl`; the weights never see a bias."""
-        ids, weights = self.select(x, image_mask)
+        ids, weights = self.select(x, image_mask, ops_order=True)
         return ids.astype(mx.int32), weights
 
     def select(self, x: mx.array, image_mask: Optional[mx.array] = None,
-               kernels: Optional[Kernels] = None):
+               ops_order: bool = False):
         """As `__call__`, with the ids uint32 (argpartition's dtype, the one gather_qmm
-        takes): the experts need no index cast. `kernels`: the model's (where they apply,
-        the same logits matmul, then the router kernel: its ids in another order, its weights
-        to a few ulps; see kernels/router.py); without them, the ops."""
-        args = (x, self.weight, self.e_score_correction_bias, self.bias_vl, image_mask,
-                self.top_k, self.route_scale)
-        if kernels is None:
-            return router_ops(*args)
-        return router(*args, use_kernel=kernels.use, run=kernels.router)
+        takes): the experts need no index cast. Through the router's dispatcher (its kernel
+        orders the ids otherwise and holds the weights to a few ulps, kernels/router.py);
+        `ops_order`: the ops' order, as the reference's captures have it."""
+        return router(x, self.weight, self.e_score_correction_bias, self.bias_vl, image_mask,
+                      self.top_k, self.route_scale, ops_order=ops_order)
 
 
 class SwitchLinear(nn.Module):
@@ -85,17 +80,11 @@ def _compiled_swiglu(limit: float):
     return mx.compile(functools.partial(swiglu, limit=limit))
 
 
-def down_input(gate: mx.array, up: mx.array, weights: Optional[mx.array], limit: float,
-               kernels: Optional[Kernels] = None) -> mx.array:
+def down_input(gate: mx.array, up: mx.array, weights: Optional[mx.array],
+               limit: float) -> mx.array:
     """The down projection's fp32 input from the gate / up fp32 products: act_fp8 of the bf16
-    (weighted) SwiGLU. One fused launch where the swiglu_act_fp8 kernel applies; otherwise
-    the compiled SwiGLU, then act_fp8 (its kernel where `kernels` apply)."""
-    k = kernels or Kernels()
-    if k.swiglu_act_fp8 is not None or (k.use and metal_applies()):
-        return swiglu_act_fp8(gate, up, weights, limit, use_kernel=k.use, run=k.swiglu_act_fp8)
-    swiglu_fn = compiled_swiglu_of_products(limit, weights is not None)
-    act = swiglu_fn(gate, up) if weights is None else swiglu_fn(gate, up, weights)
-    return round_act_fp8(act, mx.float32, kernels=k)
+    (weighted) SwiGLU (kernels/swiglu.py)."""
+    return swiglu_act_fp8(gate, up, weights, limit)
 
 
 class SwitchMLP(nn.Module):
@@ -106,17 +95,15 @@ class SwitchMLP(nn.Module):
         self.down_proj = SwitchLinear(inter, hidden, n_experts)
         self.limit = limit
 
-    def __call__(self, x, ids, weights, kernels=None):
+    def __call__(self, x, ids, weights):
         """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D]: fp32
-        products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them).
-        `kernels`: the model's (the fused SwiGLU + act_fp8 or the act_fp8 kernel where they
-        apply)."""
+        products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them)."""
         tokens, k = ids.shape
         ids = ids.astype(mx.uint32)  # gather_qmm's index dtype (a no-op for `Router.select`'s)
         if tokens * k < SORT_THRESHOLD:
             rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
             act = down_input(self.gate_proj.matmul(rows, ids), self.up_proj.matmul(rows, ids),
-                             weights[..., None, None], self.limit, kernels)
+                             weights[..., None, None], self.limit)
             return self.down_proj.matmul(act, ids).squeeze(-2)
         flat_ids = ids.reshape(-1)
         order = mx.argsort(flat_ids)
@@ -125,7 +112,7 @@ class SwitchMLP(nn.Module):
         sorted_ids = flat_ids[order]
         act = down_input(self.gate_proj.matmul(rows, sorted_ids, True),
                          self.up_proj.matmul(rows, sorted_ids, True),
-                         weights.reshape(-1)[order][:, None, None], self.limit, kernels)
+                         weights.reshape(-1)[order][:, None, None], self.limit)
         out = self.down_proj.matmul(act, sorted_ids, True)
         return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
 
@@ -138,12 +125,12 @@ class SharedExpert(nn.Module):
         self.down_proj = QuantLinear(inter, hidden)
         self.limit = limit
 
-    def __call__(self, x, prepared=None, kernels=None):
+    def __call__(self, x, prepared=None):
         """fp32 products of `down_proj`, before its bf16 rounding. `prepared`: x already
         act_fp8-rounded (the routed experts' input, shared)."""
-        xq = self.gate_proj.prepare(x, kernels=kernels) if prepared is None else prepared
+        xq = self.gate_proj.prepare(x) if prepared is None else prepared
         gate, up = paired_matmul(self.gate_proj, self.up_proj, xq)  # one matmul, same bits
-        act = down_input(gate, up, None, self.limit, kernels)  # and `down_proj`'s act_fp8
+        act = down_input(gate, up, None, self.limit)  # and `down_proj`'s act_fp8
         return self.down_proj.matmul(act)
 
 
@@ -157,39 +144,31 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array, image_mask: Optional[mx.array] = None,
                  record: Optional[Callable] = None, x32: Optional[mx.array] = None,
-                 kernels: Optional[Kernels] = None, x_fp8: Optional[mx.array] = None
-                 ) -> mx.array:
+                 x_fp8: Optional[mx.array] = None) -> mx.array:
         """x [B, S, D] bf16; `image_mask` [B, S] (see `Router`); `record(name, value)` receives
-        `gate.indices` and `gate.weights` (from the router's ops); `x32`: x in fp32 if the
-        caller has it (the router reads fp32); `kernels`: the model's (the router, SwiGLU and
-        act_fp8 kernels where they apply); `x_fp8`: the act_fp8 of x as fp32 [B*S, D] if the
+        `gate.indices` and `gate.weights` (in the ops' order); `x32`: x in fp32 if the caller
+        has it (the router reads fp32); `x_fp8`: the act_fp8 of x as fp32 [B*S, D] if the
         caller has it (the experts' input)."""
         batch, length, dim = x.shape
-        kernels = kernels or Kernels()
         source = x if x32 is None else x32
-        if record is None:
-            ids, weights = self.gate.select(source, image_mask, kernels)
-        else:
-            ids, weights = self.gate.select(source, image_mask)
+        ids, weights = self.gate.select(source, image_mask, ops_order=record is not None)
+        if record is not None:
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
         if x_fp8 is None:
-            flat = round_act_fp8(x.reshape(-1, dim), mx.float32, kernels=kernels)
+            flat = round_act_fp8(x.reshape(-1, dim), mx.float32)
         else:
             flat = x_fp8.reshape(-1, dim)
         k = ids.shape[-1]
-        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k),
-                                         kernels)
-        shared = self.shared_experts(x, flat, kernels)
+        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k))
+        shared = self.shared_experts(x, flat)
         return _routed_and_shared(routed, shared).reshape(batch, length, dim)
 
-    def routed_sum(self, flat: mx.array, ids: mx.array, weights: mx.array,
-                   kernels=None) -> mx.array:
+    def routed_sum(self, flat: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """[T, D] fp32 sum over the k chosen experts of their bf16 outputs; flat [T, D]
         FP8-rounded, ids / weights [B, S, k]."""
         k = ids.shape[-1]
-        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k),
-                                         kernels)
+        routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k))
         return mx.sum(_bf16_rounded(routed), axis=1)
 
     @staticmethod

@@ -17,9 +17,10 @@ from typing import Callable, NamedTuple, Optional
 import mlx.core as mx
 
 from ..cache.layer import commit, transaction
+from ..kernels.context import using
 from .engram import engram_rows
 from .schedule import FULL, ced_halo
-from .shared import ForwardState, shared_state
+from .shared import ForwardState, Probe, Taps, shared_state
 from .vision.prompt import delimiters
 
 PREFILL_MODES = ("ced", "full", "ced_replay")
@@ -59,17 +60,18 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
     drafting = model.drafting
     targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
-    run = (runner or Run)(model, cache, start, tuple(dict.fromkeys(taps + targets)), teacher,
-                          capture, Progress(progress, length, cache, len(chunks)))
+    probe = None if teacher is None and capture is None else Probe(teacher, capture)
+    # only the draft rings read the targets' taps: then keep what a ring holds
+    keep = cache[-1].window.capacity if drafting and not taps else None
+    run = (runner or Run)(model, cache, start, Taps(tuple(dict.fromkeys(taps + targets)), keep),
+                          probe, Progress(progress, length, cache, len(chunks)))
     run.image_mask = None if images is None else images.mask()
-    if drafting and not taps:  # only the draft rings read them: keep what a ring holds
-        run.tap_keep = cache[-1].window.capacity
-    with transaction(cache):
+    with transaction(cache), using(model.kernels):
         logits = run.full(chunks, last_only) if mode == "full" else run.encoder_only(chunks, mode)
         if drafting:
-            run.write_draft_rings(run.taps, start + length)
+            run.write_draft_rings(run.taps.rows, start + length)
         commit(cache, start + length)
-    return ModelOutput(logits, {layer: run.taps[layer] for layer in taps})
+    return ModelOutput(logits, {layer: run.taps.rows[layer] for layer in taps})
 
 
 def write_draft_rings(model, cache: list, taps: dict, end: int) -> None:
@@ -78,8 +80,7 @@ def write_draft_rings(model, cache: list, taps: dict, end: int) -> None:
     layers = model.cfg.dspark_target_layer_ids
     rows = min(taps[layer].shape[1] for layer in layers)
     main_x = model.dspark.main_x([taps[layer][:, -rows:] for layer in layers])
-    model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], main_x, end - rows,
-                             model.kernels)
+    model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], main_x, end - rows)
 
 
 @dataclass
@@ -114,18 +115,16 @@ def split_chunks(ids, embeddings, images, step: int) -> list:
 class Run:
     """One call's strategies over its chunks, from position `start` of `cache`."""
 
-    def __init__(self, model, cache: list, start: int, taps, teacher, capture, report):
+    def __init__(self, model, cache: list, start: int, taps: Taps, probe: Optional[Probe],
+                 report):
         self.model, self.text, self.cache, self.start = model, model.model, cache, start
-        self.tap_layers, self.teacher, self.capture, self.report = taps, teacher, capture, report
-        self.taps, self.tap_keep = {}, None
+        self.taps, self.probe, self.report = taps, probe, report
         self.image_mask = None  # [B, S] bool over the whole call, when it has images
 
     def state(self, start: int, end: int) -> ForwardState:
         return ForwardState(start=start, end=end, shared=shared_state(self.cache, self.text.roles),
-                            compat_index_k_source=self.model.compat_source,
-                            kernels=self.model.kernels, teacher=self.teacher,
-                            tap_layers=self.tap_layers, taps=self.taps, tap_keep=self.tap_keep,
-                            capture=self.capture)
+                            compat_index_k_source=self.model.compat_source, taps=self.taps,
+                            probe=self.probe)
 
     def encode(self, chunk: Chunk, start: int):
         """The encoder stack over one chunk at `start` -> (state, streams, pre)."""

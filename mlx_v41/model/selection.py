@@ -46,10 +46,10 @@ class Selection:
 
 def select_rows(indexer, rope, x, qr, packed_keys, first: int, ratio: int, topk: int,
                 budget: int, pool: Optional[Pool] = None, keep_scores: bool = False,
-                kernels=None, qr_fp8=None):
+                qr_fp8=None):
     """Selection of the query rows x [B, n, D] (low-rank queries qr) at positions first..,
     against the packed index keys [B, T, bytes]. `budget`: query rows x heads x key rows
-    scored at once. `kernels`: the model's, for the index queries' kernels. `qr_fp8`: qr
+    scored at once. `qr_fp8`: qr
     already act_fp8-rounded as fp32 (`Indexer.queries`)."""
     total = packed_keys.shape[1]
     key_block = min(total, indexer_mod.KEY_BLOCK)
@@ -58,7 +58,7 @@ def select_rows(indexer, rope, x, qr, packed_keys, first: int, ratio: int, topk:
     step = max(1, budget // (indexer.n_heads * key_block))
     rows_of = pool.member if pool is not None else None
     blocks = [_QueryBlock(indexer, rope, x[:, i:i + step], qr[:, i:i + step], first + i,
-                          None if rows_of is None else rows_of[:, i:i + step], kernels,
+                          None if rows_of is None else rows_of[:, i:i + step],
                           None if qr_fp8 is None else qr_fp8[:, i:i + step])
               for i in range(0, x.shape[1], step)]
     barrier = []
@@ -74,9 +74,8 @@ def select_rows(indexer, rope, x, qr, packed_keys, first: int, ratio: int, topk:
 class _QueryBlock:
     """One block of query rows: its index queries and its running selection."""
 
-    def __init__(self, indexer, rope, x, qr, first: int, pool_rows, kernels=None,
-                 qr_fp8=None):
-        self.q, self.weights = indexer.queries(x, qr, first, rope, kernels, qr_fp8)
+    def __init__(self, indexer, rope, x, qr, first: int, pool_rows, qr_fp8=None):
+        self.q, self.weights = indexer.queries(x, qr, first, rope, qr_fp8)
         self.pool_rows = pool_rows  # Reindex layer: the pool of these rows [B, s, blocks]
         self.positions = mx.arange(first, first + x.shape[1])
         self.best = None         # running top-k sort keys [B, s, <= k]

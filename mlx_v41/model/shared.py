@@ -4,7 +4,8 @@ Only 4 layers own global KV; Reuse and Reindex layers read an owner's compressed
 keys, Reuse layers take an index layer's top-k, and Reindex layers restrict their indexer to the
 candidate source's pool. `SharedKV` is everything the readers of one owner share: it is what a
 pipeline stage on another rank has to receive. `ForwardState` carries the call's positions, the
-per-owner state and the optional inputs/outputs (teacher-forced block inputs, taps, capture).
+per-owner state and the taps; a `Probe` carries the instrumentation (teacher-forced block
+inputs, captures) and is absent in production.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Optional
 import mlx.core as mx
 
 from ..cache.layer import CompressedKV
-from ..kernels import Kernels
 
 
 @dataclass
@@ -47,8 +47,52 @@ class BlockInputs:
 
 
 @dataclass
+class Taps:
+    """The streams entering given layers, returned by the forward: the mean over the copies
+    [B, rows, D] bf16 of each tapped layer's input (before its Engram write). DSpark's drafter
+    reads its target layers'; a caller may ask for others (`Model.forward(taps=...)`)."""
+
+    layers: tuple = ()                        # the tapped layers
+    keep: Optional[int] = None                # keep only the last rows (None: all)
+    rows: dict = field(default_factory=dict)  # layer -> [B, rows, D], the call's so far
+
+    def record(self, layer: int, streams: mx.array) -> None:
+        if layer not in self.layers:
+            return
+        tap = mx.mean(streams, axis=2)
+        previous = self.rows.get(layer)
+        tap = tap if previous is None else mx.concatenate([previous, tap], axis=1)
+        self.rows[layer] = tap if self.keep is None else tap[:, -self.keep:]
+
+
+@dataclass
+class Probe:
+    """Instrumentation of one forward, absent in production: teacher-forced block inputs
+    (block-isolated parity) and a capture dict that receives intermediates named like the
+    reference goldens (`layers.L.out`, ...)."""
+
+    teacher: Optional[BlockInputs] = None
+    capture: Optional[dict] = None
+
+    def replaces_input(self, layer: int) -> bool:
+        return self.teacher is not None and layer in self.teacher.streams
+
+    def block_inputs(self, layer: int, streams: mx.array, pre: mx.array, mixes):
+        """A block's (streams, pre, mixes): the teacher's streams and `pre` for the block's
+        rows where it gives them (then no handed-over mixes), else those given."""
+        if not self.replaces_input(layer):
+            return streams, pre, mixes
+        rows = streams.shape[1]
+        return (self.teacher.streams[layer][:, -rows:].astype(streams.dtype),
+                self.teacher.pre[layer][:, -rows:].astype(mx.float32), None)
+
+
+@dataclass
 class ForwardState:
-    """Everything one forward call over positions [start, end) shares across layers."""
+    """What one forward call over positions [start, end) shares across layers: its positions,
+    each kv owner's shared state, the Engram rows and image mask of its rows, how the call
+    reads the cache (a CED halo pass: precompressed owners, a truncated window), and its taps.
+    `probe`: instrumentation, None in production."""
 
     start: int                                   # first position of this call
     end: int                                     # one past the last position
@@ -58,23 +102,21 @@ class ForwardState:
     precompressed: set = field(default_factory=set)  # owners whose compressor already ran
     truncate_window: bool = False                # bounded replay: no rows before the span
     compat_index_k_source: Optional[int] = None  # reference defect D1 switch (parity only)
-    kernels: Kernels = field(default_factory=Kernels)  # Metal kernels where they apply
-    teacher: Optional[BlockInputs] = None        # block-isolated parity
-    tap_layers: tuple = ()                       # layers whose entering streams are returned
-    taps: dict = field(default_factory=dict)     # layer -> [B, rows, D] mean over the copies
-    tap_keep: Optional[int] = None               # taps keep only their last rows (None: all)
-    capture: Optional[dict] = None               # debugging: name -> intermediate
-    # layer -> (its entering streams, their attention-side (pre, post, comb)): made with the
-    # previous block's expand in one launch where the fused kernel applies (Block.__call__)
-    handed_mixes: dict = field(default_factory=dict)
+    taps: Taps = field(default_factory=Taps)
+    probe: Optional[Probe] = None
 
     def image_positions(self, rows: int) -> Optional[mx.array]:
         """The image mask of the call's last `rows` positions (None: no image in the call)."""
         return None if self.image_mask is None else self.image_mask[:, -rows:]
 
+    @property
+    def capturing(self) -> bool:
+        return self.probe is not None and self.probe.capture is not None
+
     def record(self, name: str, value: mx.array) -> None:
-        if self.capture is not None:
-            self.capture[name] = value
+        """Capture an intermediate (only with a probe that captures)."""
+        if self.capturing:
+            self.probe.capture[name] = value
 
 
 def shared_state(cache: list, roles) -> dict:

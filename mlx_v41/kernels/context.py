@@ -1,0 +1,48 @@
+"""Which kernels a call runs. A `Kernels` set (kernels/__init__.py) is made active for the
+duration of a model call with `using`; every dispatcher reads it through `chosen`, so the model
+never passes kernels around nor chooses between a kernel and its ops. With none active the
+dispatchers take their defaults: the Metal kernel where it applies, else the ops."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Optional
+
+_ACTIVE: ContextVar = ContextVar("mlx_v41_kernels", default=None)
+
+
+@contextmanager
+def using(kernels):
+    """Make `kernels` (a `Kernels`, or None for the defaults) the active set within the block,
+    in this thread; the previous set is restored on exit."""
+    token = _ACTIVE.set(kernels)
+    try:
+        yield kernels
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active():
+    """The active `Kernels`, or None (the defaults)."""
+    return _ACTIVE.get()
+
+
+def chosen(field: str, use_kernel: Optional[bool] = None,
+           run: Optional[Callable] = None) -> tuple:
+    """(use_kernel, run) for the dispatcher of the `Kernels` field `field`: the caller's own
+    arguments where it gives any (a test calling a dispatcher directly), else the active set's,
+    else (True, None): Metal where it applies."""
+    if use_kernel is not None or run is not None:
+        return (True if use_kernel is None else use_kernel), run
+    kernels = _ACTIVE.get()
+    if kernels is None:
+        return True, None
+    return kernels.use, getattr(kernels, field)
+
+
+def host_sinkhorn() -> bool:
+    """Whether the mHC ops may run a few tokens' Sinkhorn in NumPy on the CPU (the active
+    set's `host_sinkhorn`; True by default)."""
+    kernels = _ACTIVE.get()
+    return True if kernels is None else kernels.host_sinkhorn

@@ -19,5 +19,6 @@ from .model.config import ConfigError, ConfigWarning, ModelArgs
 __version__ = "0.1.0"
 
 __all__ = ["load", "generate", "stream_generate", "Sampling",
-           "load_model", "ModelArgs", "ConfigError", "ConfigWarning", "CheckpointError", "CacheError",
+           "load_model", "ModelArgs", "ConfigError", "ConfigWarning", "CheckpointError",
+           "CacheError",
            "cache_bytes", "trim_cache", "save_prompt_cache", "load_prompt_cache", "copy_cache"]

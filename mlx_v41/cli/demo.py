@@ -41,7 +41,8 @@ def run_demo(prompt: str, max_tokens: int, folder: Optional[Path], rebuild: bool
     model, tokenizer = load(folder)
     cfg = model.args.text_config
     _stage(2, f"load: {cfg.num_hidden_layers} + {cfg.num_nextn_predict_layers} layers, hidden "
-              f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}, in {time.perf_counter() - tic:.1f} s")
+              f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}, "
+              f"in {time.perf_counter() - tic:.1f} s")
     mx.random.seed(0)
     session = ChatSession(model, tokenizer, thinking=False, max_tokens=max_tokens)
     tokens = tokenizer.encode_chat(session.conversation() + [{"role": "user", "content": prompt}],

@@ -27,10 +27,10 @@ class Kernels:
     mhc: Optional[Callable] = None
     act_fp8: Optional[Callable] = None
     # Fused kernels of the Metal path (issue 13), within a stated tolerance of their ops:
-    norm: Optional[Callable] = None            # kernels/norm.py: [collapse ->] RMSNorm [-> RoPE, act_fp8]
-    router: Optional[Callable] = None          # kernels/router.py: MoE gate scores -> top-k ids, weights
+    norm: Optional[Callable] = None            # norm.py: [collapse ->] RMSNorm [-> RoPE, act_fp8]
+    router: Optional[Callable] = None          # router.py: MoE gate scores -> top-k ids, weights
     swiglu_act_fp8: Optional[Callable] = None  # kernels/swiglu.py: clamped SwiGLU [x w] -> act_fp8
-    window_rows: Optional[Callable] = None     # kernels/window_rows.py: ring rows + new rows -> window
+    window_rows: Optional[Callable] = None     # window_rows.py: ring rows + new rows -> window
     rope_products: Optional[Callable] = None   # kernels/rope_products.py: bf16(products) -> RoPE
     index_queries: Optional[Callable] = None   # kernels/index_queries.py: RoPE -> fp4_e8m0 qdq
     mhc_expand: Optional[Callable] = None      # kernels/mhc.py: expand, then the next side's mixes

@@ -2,8 +2,8 @@
 per 32 values along the last axis, s a power of two; with `is_products` the activation is the
 bf16 rounding of fp32 projection products.
 
-The ops (`fp8_activation.act_fp8_qdq`, compiled) run 4 kernels per call (|x|, the amax reduction, the
-scale, the rounding: element-wise arithmetic that MLX fuses); the Metal kernel
+The ops (`fp8_activation.act_fp8_qdq`, compiled) run 4 kernels per call (|x|, the amax
+reduction, the scale, the rounding: element-wise arithmetic that MLX fuses); the Metal kernel
 (metal/act_fp8.metal) is one launch, one simdgroup per block, and its values equal the ops' bits.
 """
 

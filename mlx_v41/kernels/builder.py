@@ -58,7 +58,7 @@ def build_kernel(
     ensure_row_contiguous: bool = True,
     atomic_outputs: bool = False,
 ):
-    """Build a kernel from ``body_file`` (+ ``header_files``, concatenated in order) with ``factory``.
+    """Build a kernel from ``body_file`` (+ ``header_files``, in order) with ``factory``.
 
     ``factory`` has the signature of ``mx.fast.metal_kernel`` and defaults to it; tests pass the
     simulator's factory. Returns whatever the factory returns (a callable kernel object).

@@ -198,7 +198,8 @@ class TextConfig:
         kv, ix = self.kv_source_layer_ids, self.index_source_layer_ids
         for s in kv:
             if not 0 <= s < n or ratios[s] == 0:
-                self._fail("kv_source_layer_ids", f"layer {s} is not a backbone layer with ratio > 0")
+                self._fail("kv_source_layer_ids",
+                           f"layer {s} is not a backbone layer with ratio > 0")
             if s not in ix:
                 self._fail("index_source_layer_ids", f"kv source {s} must also be an index source")
         for layer in range(n):

@@ -66,7 +66,8 @@ class SwitchLinear(nn.Module):
         applies inside its own fused kernel). fp32 input: see QuantLinear."""
         return mx.gather_qmm(
             x.astype(mx.float32), self.weight, self.scales, self.get("biases"),
-            lhs_indices=batch_rows(x.shape[:-2]), rhs_indices=ids, transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+            lhs_indices=batch_rows(x.shape[:-2]), rhs_indices=ids, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
             sorted_indices=sorted_ids)
 
 

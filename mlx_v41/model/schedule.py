@@ -117,7 +117,8 @@ def format_schedule(roles) -> str:
         cand = "source" if r.is_candidate_source else ("pool" if r.uses_candidates else "-")
         lines.append(
             f"{r.layer:>4}  {r.ced_role:<8} {r.mode:<8} {r.ratio:>5} "
-            f"{_dash(r.kv_owner):>3} {_dash(r.topk_owner):>5}  {'yes' if r.owns_index_k else '-':<5}"
+            f"{_dash(r.kv_owner):>3} {_dash(r.topk_owner):>5}  "
+            f"{'yes' if r.owns_index_k else '-':<5}"
             f"  {cand:<8} {'yes' if r.engram_index is not None else '-':<6} "
             f"{r.n_experts}/{r.experts_per_tok}{'  tap' if r.is_dspark_tap else ''}")
     return "\n".join(lines)

@@ -41,6 +41,12 @@ def with_context(folder: Path, positions: int) -> Path:
     return folder
 
 
+def slow(*values):
+    """A parametrize case marked slow: the full suite runs it, the fast lane
+    (`-m "not slow"`) does not."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def mlx_launch(n: int) -> list:
     """`mlx.launch -n N` on a free run of N ports (the ring listens on starting-port + rank), so
     two test runs on one machine never join each other's rings (the default port is fixed)."""

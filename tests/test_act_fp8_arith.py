@@ -90,6 +90,7 @@ def test_scale_every_positive_bf16_amax_and_powers_of_two():
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_qdq_every_bf16_input(dtype):
     x = finite_bf16()

@@ -125,6 +125,7 @@ def test_dispatcher_keeps_the_ops_where_the_kernel_does_not_apply():
     assert len(calls) == 1 and calls[0][1:] == (mx.float32, True)
 
 
+@pytest.mark.slow
 def test_model_with_the_kernel_equals_the_ops(goldens, tiny_model):
     """The tiny golden model with every act_fp8 through the simulated kernel: the same logits,
     bit for bit, as on the ops; every call site of the decoder stack reaches the kernel."""

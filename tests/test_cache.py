@@ -10,7 +10,7 @@ from mlx_v41 import CacheError, cache_bytes, trim_cache
 from mlx_v41.model.schedule import ced_halo
 from mlx_v41.model.config import ModelArgs, TextConfig
 from mlx_v41.model.model import Model
-from conftest import golden_checkpoint, packed_state
+from conftest import golden_checkpoint, packed_state, slow
 
 # Exact equalities between different computations: they hold on the CPU backend.
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -26,6 +26,7 @@ def _model(mode="ced", dspark=False):
     return mlx_v41.load_model(golden_checkpoint("tiny"), prefill_mode=mode, dspark=dspark)
 
 
+@pytest.mark.slow
 def test_real_width_cache_is_890_bytes_per_token():
     """Real head_dim 512 / index_head_dim 128 and owner layers 2/8/14/20; small otherwise."""
     text = TextConfig(hidden_size=64, num_attention_heads=1, q_lora_rank=32, o_lora_rank=32,
@@ -44,8 +45,11 @@ def test_real_width_cache_is_890_bytes_per_token():
     assert cache_bytes(cache)["window"] == 40 * 256 * 528
 
 
-@pytest.mark.parametrize("n,rollback", [(n, None) for n in (10, 61, 76, 77, 78, 92, 93, 150, 201)]
-                         + [(n, 0) for n in (60, 61, 62, 76, 77, 201)])
+# The longest prompts are slow; the fast lane keeps the lengths around the group and window
+# boundaries.
+@pytest.mark.parametrize("n,rollback", [(n, None) for n in (10, 61, 76, 77, 78, 92, 93)]
+                         + [slow(150, None), slow(201, None)]
+                         + [(n, 0) for n in (60, 61, 62, 76, 77)] + [slow(201, 0)])
 def test_ced_prefill_equals_full_prefill(prompt, n, rollback):
     """tiny: decoder from layer 7, window 16: halo of 76 window rows / 61 computed rows at
     layer 7 (ced_rollback=0), 92 / 77 with the default rollback rows; lengths around and
@@ -83,7 +87,7 @@ def test_ced_skips_decoder_rows(prompt):
     assert mx.array_equal(minimal(prompt, last_only=True), model(prompt, last_only=True))
 
 
-@pytest.mark.parametrize("step,length", [(1, 30), (7, 201), (37, 201), (64, 201)])
+@pytest.mark.parametrize("step,length", [(1, 30), (7, 201), slow(37, 201), slow(64, 201)])
 def test_chunked_prefill_equals_one_chunk(prompt, step, length):
     model = _model("ced")
     ids = prompt[:, :length]

@@ -195,6 +195,7 @@ def two_turns(session) -> list:
     return [reply(session, "Hello"), reply(session, "And then?")]
 
 
+@pytest.mark.slow
 def test_dspark_session_equals_plain_greedy(drafting):
     """Speculative decoding gives the plain session's turns at temp 0; in thinking mode the
     second turn rolls the cache back (the draft rings with it) before it continues."""
@@ -269,6 +270,7 @@ def chat_command(*flags):
     return [sys.executable, "-m", "mlx_v41.chat", "--model", str(GOLDEN), *flags], env
 
 
+@pytest.mark.slow
 def test_repl_over_stdin(tmp_path):
     path = tmp_path / "x.bin"  # any name: MLX alone would save it as x.bin.safetensors
     script = "\n".join(["Hello", "/stats", "/thinking off", "Again", f"/save {path}", "/reset",
@@ -317,6 +319,7 @@ def wait_for_exit(pid, fd, log, timeout=60.0):
     raise AssertionError(f"the chat did not exit; terminal: {log[0]!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
 def test_repl_in_a_terminal_survives_ctrl_c():
     import pty

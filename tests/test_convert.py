@@ -399,6 +399,7 @@ def folder_bytes(folder: Path) -> dict:
             for p in folder.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_killed_conversion_resumes_to_the_same_output(tmp_path):
     out, args = tmp_path / "mlx", ["--hf-path", str(GOLDEN), "--shard-size", "100KB",
                                    "--quiet"]
@@ -565,6 +566,7 @@ def test_full_disk_then_corrupted_file_then_resume(tmp_path, monkeypatch, capsys
     assert mx.array_equal(load_model(out)(mx.array([PROMPT])), golden_logits).item()
 
 
+@pytest.mark.slow
 def test_bad_settings_and_unreachable_hub(tmp_path, capsys):
     for extra, word in ((["--q-bits", "4"], "need -q"),
                         (["-q", "--q-mode", "mxfp4", "--q-bits", "8"], "--q-bits [4]")):
@@ -676,6 +678,7 @@ print(json.dumps({"before": before, "loaded": loaded, "looked_up": looked_up,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for RSS")
 def test_engram_tables_stay_memory_mapped(tmp_path):
     source = big_table_checkpoint(tmp_path / "hf")

@@ -96,6 +96,7 @@ def test_load_demo_and_generate(demo):
     assert 1 <= len(responses) <= 2 and responses[-1].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_demo_drafts_plain_greedy(demo):
     """The demo ships the drafter (loaded by default): 64 speculative greedy tokens after a CED
     prefill are plain greedy decoding's (its random drafter is always rejected, so every cycle
@@ -125,6 +126,7 @@ def run(args, root):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_demo_command_shows_every_stage(demo):
     _, root = demo
     done = run(["-m", "mlx_v41", "demo", "-m", "3"], root)

@@ -12,7 +12,7 @@ from mlx_v41.chat.tokenizer import load_tokenizer
 from mlx_v41.generation.api import generate_step, prefill
 from mlx_v41.generation.speculative import (DraftStats, Sampling, _accept, check_draft_settings,
                                             speculative_steps)
-from conftest import golden_checkpoint, packed_state
+from conftest import golden_checkpoint, packed_state, slow
 
 # Exact equalities between a multi-row verify and single-row steps: the CPU backend's.
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -78,7 +78,8 @@ class Oracle:
         return tokens, logits[None], mx.full((1, 5), 10.0)
 
 
-@pytest.mark.parametrize("k", [1, 5])  # the confidence test covers the blocks in between
+# The confidence test covers the blocks in between; k = 1 (40 cycles) is slow.
+@pytest.mark.parametrize("k", [slow(1), 5])
 def test_greedy_equals_plain_greedy(tiny, k):
     model, prompt = tiny
     plain, plain_cache = plain_run(model, prompt, 40)
@@ -88,7 +89,7 @@ def test_greedy_equals_plain_greedy(tiny, k):
     assert same(committed(model, cache), committed(model, plain_cache))
 
 
-@pytest.mark.parametrize("right", [5, 2, 0])
+@pytest.mark.parametrize("right", [5, 2, slow(0)])
 def test_accepted_drafts_and_rollback(tiny, right):
     """An oracle drafter right about the first `right` drafts of each cycle: exactly those are
     accepted, the output is still plain greedy, and the cache equals the plain run's."""
@@ -149,6 +150,7 @@ def test_confidence_schedule_verifies_the_surviving_prefix(tiny, threshold, k):
     assert stats.proposed == stats.accepted
 
 
+@pytest.mark.slow
 def test_every_cycle_leaves_the_plain_cache(tiny):
     """After each cycle (checked at every yielded anchor) the cache equals a plain run's cache
     over the same committed tokens."""
@@ -177,6 +179,7 @@ def test_stop_token_inside_accepted_drafts_ends_the_reply(tiny):
     assert cache[0].offset == len(prompt) + first + 1
 
 
+@pytest.mark.slow
 def test_sampling_commits_what_a_plain_forward_holds(tiny):
     """Temperature 1: whatever is committed, the cache equals a plain prefill of it."""
     model, prompt = tiny
@@ -219,6 +222,7 @@ def _chi2(samples, p) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.slow
 def test_rejection_sampling_is_distributed_as_the_target():
     """First emitted token ~ p_0, and after an accepted first draft the second ~ p_1, within
     a chi-square bound (p = 0.001) over 3000 seeded cycles; the wrong rule fails it."""
@@ -265,7 +269,7 @@ def test_batch_is_refused_in_one_line(tiny):
     assert one == mlx_v41.generate(model, tokenizer, prompt[:8], max_tokens=4)
 
 
-@pytest.mark.parametrize("right", [5, 0])
+@pytest.mark.parametrize("right", [5, slow(0)])
 def test_logits_processors_shape_every_verify_row(tiny, right):
     """Logits processors (mlx-lm's repetition penalty, then one that allows only the token after
     the last one) with drafts equal plain decoding with them: each verify row is shaped with the tokens before
@@ -290,7 +294,7 @@ def test_logits_processors_shape_every_verify_row(tiny, right):
     assert spec == plain and stats.accepted == (30 - stats.cycles)
 
 
-@pytest.mark.parametrize("rollback", [None, 0, 5])
+@pytest.mark.parametrize("rollback", [None, slow(0), slow(5)])
 def test_ced_prefill_fills_the_draft_rings(goldens, rollback):
     """The CED halo covers the rows the draft rings need: after an exact CED prefill the rings
     equal a full prefill's, and after the largest trim the cache allows they equal a full
@@ -324,6 +328,7 @@ def test_prompt_cache_round_trip_keeps_the_rings(tiny, tmp_path):
                                                             dspark=False))
 
 
+@pytest.mark.slow
 def test_greedy_equals_plain_greedy_on_the_published_schedule(goldens):
     """The 40 + 3 layer schedule (CED prefill with its longer halo, all owner kinds); 20 tokens
     (tiny runs 40) to keep the suite short."""

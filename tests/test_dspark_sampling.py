@@ -107,6 +107,7 @@ def wrong_accept(sampling, targets, drafts, q, key=None):
     return drafts, mx.random.categorical(mx.log(p[len(drafts)])).item()
 
 
+@pytest.mark.slow
 def test_speculative_joint_matches_plain_sampling(small, monkeypatch):
     """300 seeded runs each. Measured: 10.0 for the exact rule and 52.3 for the wrong one,
     against the bound 31.4 (11 degrees of freedom after pooling)."""

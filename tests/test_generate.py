@@ -326,6 +326,7 @@ def drafts_lines(out: str) -> list:
     return [line for line in out.splitlines() if line.startswith("Drafts: ")]
 
 
+@pytest.mark.slow
 def test_cli_dspark_equals_plain_greedy(capsys, cached_load):
     """Speculative decoding at temp 0 prints plain greedy decoding's text, for every draft
     length and with a confidence threshold, and adds the Drafts line to the stats."""
@@ -401,6 +402,7 @@ def cli(*args):
     return [sys.executable, *args], env
 
 
+@pytest.mark.slow
 def test_python_m_generate_and_ctrl_c():
     """`python -m mlx_v41.generate` starts without warnings; Ctrl-C ends it with one line."""
     argv, env = cli("-m", "mlx_v41.generate", "--model", str(GOLDEN), "-p", "Hi", "-m", "400")

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import mlx_v41
-from conftest import reference_ops
+from conftest import reference_ops, slow
 from mlx_v41.model.indexer import candidate_blocks, expand_blocks
 from mlx_v41.model.schedule import REINDEX
 
@@ -92,8 +92,10 @@ def test_tiny_prefill_exact_regime(goldens, runs):
     assert (err[:7] <= EXACT).all(), err[:7]
 
 
+# The schedule golden's cases are slow: its 40-layer run (prefill + decode, each mode) takes
+# seconds; the tiny and grow goldens run the same code in the fast lane.
 @pytest.mark.parametrize("name,mean_bound,argmax_bound", [("tiny", 0.45, 0.7),
-                                                          ("schedule", 1.0, 0.45)])
+                                                          slow("schedule", 1.0, 0.45)])
 def test_prefill_statistics(goldens, runs, name, mean_bound, argmax_bound):
     g = goldens(name)
     prefill = runs(name, "fixed").prefill
@@ -107,8 +109,8 @@ def test_prefill_statistics(goldens, runs, name, mean_bound, argmax_bound):
 # (fixed / ref); the bounds leave about a tenth of the steps as margin.
 @pytest.mark.parametrize("name,mode,min_agree", [("tiny", "fixed", 25), ("tiny", "ref", 24),
                                                  ("grow", "fixed", 47), ("grow", "ref", 43),
-                                                 ("schedule", "fixed", 17),
-                                                 ("schedule", "ref", 10)])
+                                                 slow("schedule", "fixed", 17),
+                                                 slow("schedule", "ref", 10)])
 def test_decode_argmax_agreement(goldens, runs, name, mode, min_agree):
     g = goldens(name)
     decode = runs(name, mode).decode
@@ -125,7 +127,7 @@ def _picked(topk: np.ndarray, window: int = 0) -> list:
 # Mean overlap of the selected rows with the reference's, measured per Reindex layer: tiny 0.81
 # / 0.80 (layers 9 / 11), schedule 0.69 / 0.69 / 0.68 / 0.68 (24 / 28 / 32 / 36). Without the
 # candidate-pool restriction: 0.44 / 0.42 and 0.50 / 0.50 / 0.49 / 0.48.
-@pytest.mark.parametrize("name,min_overlap", [("tiny", 0.65), ("schedule", 0.59)])
+@pytest.mark.parametrize("name,min_overlap", [("tiny", 0.65), slow("schedule", 0.59)])
 def test_reindex_selections(goldens, runs, name, min_overlap):
     """Every row a Reindex layer selects lies in the candidate pool built from this run's own
     candidate-source scores (exact); and per layer, the mean fraction of the reference's

@@ -49,6 +49,7 @@ def test_cli_reads_a_model_folder(capsys):
     assert "global KV: 106 bytes/token" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line():
     run = subprocess.run([sys.executable, "-m", "mlx_v41", "inspect", "--model", "/nonexistent"],
                          capture_output=True, text=True)

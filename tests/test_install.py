@@ -23,6 +23,8 @@ import pytest
 
 import mlx_v41
 
+pytestmark = pytest.mark.slow  # pip installs a copy, then a fresh interpreter runs it
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "data" / "goldens" / "tiny" / "hf"
 PROMPT = [0, 5, 9, 300, 17]

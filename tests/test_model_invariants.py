@@ -9,6 +9,8 @@ import random
 import mlx.core as mx
 import pytest
 
+from conftest import slow
+
 pytestmark = pytest.mark.usefixtures("cpu")
 
 
@@ -26,7 +28,7 @@ def _chunked(model, ids, splits):
     return mx.concatenate(outs, axis=1), cache
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, slow(1), slow(2), slow(3)])
 def test_cached_equals_uncached_over_random_splits(tiny_ops, prompt, seed):
     rng = random.Random(seed)
     n = prompt.shape[1]
@@ -37,7 +39,7 @@ def test_cached_equals_uncached_over_random_splits(tiny_ops, prompt, seed):
     assert all(c.offset == n for c in cache)
 
 
-@pytest.mark.parametrize("step", [7, 13])
+@pytest.mark.parametrize("step", [slow(7), 13])
 def test_fixed_step_chunks_over_the_whole_prompt(tiny_ops, goldens, step):
     """Chunks of 7 once made the top-k come out in another order than one call (argpartition
     order depends on how many rows are scored), which changed attention's summation order."""
@@ -75,6 +77,7 @@ def test_last_only_matches_full_logits(tiny_ops, prompt):
     assert mx.array_equal(tiny_ops(prompt, last_only=True)[:, -1], tiny_ops(prompt)[:, -1])
 
 
+@pytest.mark.slow
 def test_selection_in_row_blocks_is_exact(tiny_ops, prompt, monkeypatch):
     """The indexer scores and selects query rows in blocks and decodes the packed index keys
     in blocks of rows (bounded memory at long contexts); one query row per block and key

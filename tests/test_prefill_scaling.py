@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import slow
 from mlx_v41.model.indexer import sort_key, top_rows
 from mlx_v41.model.selection import _merge, finish
 
@@ -46,7 +47,7 @@ def _evaluations(model, ids, monkeypatch) -> tuple:
     return len(calls), len(host)
 
 
-@pytest.mark.parametrize("host_sinkhorn", [False, True])
+@pytest.mark.parametrize("host_sinkhorn", [False, slow(True)])
 def test_one_evaluation_per_chunk_at_any_context(tiny_ops, goldens, monkeypatch, host_sinkhorn):
     """Key blocks of 8 rows and one query row per score block: 3 chunks and 11 chunks of 8
     tokens evaluate exactly once per chunk (the chunk's own evaluation), the last chunk of

@@ -43,6 +43,7 @@ def test_replay_is_exact_within_one_window(replay, prompt):
         assert mx.array_equal(replay(prompt[:, :n], last_only=True)[:, -1], full[:, n - 1]), n
 
 
+@pytest.mark.slow
 def test_replay_drift_beyond_one_window(replay, prompt):
     full = replay(prompt[:, :max(LENGTHS)])  # every position's logits from one full forward
     assert mx.array_equal(full[:, 59], replay(prompt[:, :60])[:, -1])  # == a call per prefix

@@ -136,6 +136,7 @@ def start_cli(folder: Path) -> tuple:
     raise AssertionError("the server did not start:\n" + "".join(lines))
 
 
+@pytest.mark.slow
 def test_restart_with_prompt_cache_dir_then_ctrl_c(tmp_path):
     model, tokenizer = tiny()
     folder = tmp_path / "prompts"

@@ -108,6 +108,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.slow
 def test_load_8_clients_25_requests(live, loaded):
     """Every reply complete and right for its own prompt; MLX memory flat after the first
     round (the prompt caches replace each other: same prompts)."""

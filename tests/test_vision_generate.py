@@ -74,6 +74,7 @@ def same_state(a: list, b: list) -> bool:
     return all(mx.array_equal(x, y).item() for x, y in zip(packed_state(a), packed_state(b)))
 
 
+@pytest.mark.slow
 def test_chunked_at_every_offset_inside_the_span(loaded, twins):
     """Chunks of one row put a boundary at every offset of the span: every position's logits
     (full prefill) and the last ones (exact CED prefill) and the caches equal one call's."""

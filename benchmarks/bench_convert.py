@@ -105,6 +105,10 @@ def write_headers(folder: Path, config: dict) -> tuple[int, int]:
     return len(weight_map), total
 
 
+def gb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
 def sizes(work: Path) -> None:
     from mlx_v41.model.config import official_config_path
     from mlx_v41.convert.plan import make_plan
@@ -125,7 +129,6 @@ def sizes(work: Path) -> None:
         source = Source(folder, {"vision", "dspark"})
         recipe = make_recipe(source.skeleton(), **kwargs)
         s = make_plan(source, recipe, 5 * 10**9).sizes()
-        gb = lambda n: f"{n / 1e9:,.2f} GB"
         print(f"| `{label}` | {gb(s['weights'])} | {gb(s['dspark'])} | {gb(s['engram_tables'])} | "
               f"{gb(s['extras'])} | {gb(s['total'])} | "
               f"{gb(s['total'] - s['extras'] - s['dspark'])} |", flush=True)

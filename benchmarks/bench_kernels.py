@@ -90,7 +90,8 @@ def count_primitives(fn, inputs: dict) -> collections.Counter:
 def print_counts() -> None:
     inputs = decode_inputs()
     print("Graph primitives per decode token (real dims); launches = primitives that are not views")
-    print(f"{'op':32s} {'ops: prims':>10s} {'launches':>9s} {'kernel: prims':>14s} {'launches':>9s}")
+    print(f"{'op':32s} {'ops: prims':>10s} {'launches':>9s} {'kernel: prims':>14s} "
+          f"{'launches':>9s}")
     totals = [0, 0, 0, 0]
     for (name, ops_fn), kernel_fn in zip(op_paths(False).items(), op_paths(True).values()):
         row = []

@@ -1,4 +1,5 @@
-"""Prefill and decode speed of mlx_v41 against mlx-lm's `deepseek_v41` port on one random checkpoint.
+"""Prefill and decode speed of mlx_v41 against mlx-lm's `deepseek_v41` port on one random
+checkpoint.
 
 One run writes a random checkpoint in the published layout (tests/checkpoint_factory.py): the
 published 40 + 3 layer schedule at the reference goldens' widths (hidden 128, 4 heads of 64,

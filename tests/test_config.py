@@ -63,7 +63,7 @@ OFFICIAL_SCHEDULE = """
 | 40 | DSpark | 0 | SWA | – | – | – | – | – | 10000 | 128/3 | draft stage mtp.0 |
 | 41 | DSpark | 0 | SWA | – | – | – | – | – | 10000 | 128/3 | draft stage mtp.1 |
 | 42 | DSpark | 0 | SWA | – | – | – | – | – | 10000 | 128/3 | draft stage mtp.2 |
-"""
+"""  # noqa: E501 (the spec table verbatim)
 
 # config.md §4 rules applied by hand to the tiny golden: N = 12, ratios [0,0,2×5,1×5,0,0,0],
 # KV [2,5,7], IX [2,5,7,9,11], C = 7, Engram [1,5], taps [9,10,11], 8/2 experts, DSpark 4/2.
@@ -85,7 +85,7 @@ TINY_SCHEDULE = """
 | 12 | DSpark | 0 | SWA | – | – | – | – | – | 10000 | 4/2 | draft stage mtp.0 |
 | 13 | DSpark | 0 | SWA | – | – | – | – | – | 10000 | 4/2 | draft stage mtp.1 |
 | 14 | DSpark | 0 | SWA | – | – | – | – | – | 10000 | 4/2 | draft stage mtp.2 |
-"""
+"""  # noqa: E501 (the spec table verbatim)
 
 NONE = "–"
 MODES = {"SWA": "swa", "Full": "full", "Reindex": "reindex", "Reuse": "reuse"}

@@ -294,10 +294,10 @@ def draft_logits(model, forced=None) -> tuple:
             ring.offset = ring.window.end
         chain = None if forced is None else iter(forced[seed, 1:].tolist())
         sample = None if chain is None else (lambda row: mx.array([next(chain)]))
-        t, l, _ = drafter.draft(model.model.embed_tokens, model.lm_head.weight,
-                                mx.array([7 + seed]), rings, sample=sample)
+        t, row_logits, _ = drafter.draft(model.model.embed_tokens, model.lm_head.weight,
+                                         mx.array([7 + seed]), rings, sample=sample)
         tokens.append(t)
-        logits.append(l)
+        logits.append(row_logits)
     return mx.concatenate(tokens), mx.concatenate(logits)
 
 

@@ -272,8 +272,8 @@ def test_batch_is_refused_in_one_line(tiny):
 @pytest.mark.parametrize("right", [5, slow(0)])
 def test_logits_processors_shape_every_verify_row(tiny, right):
     """Logits processors (mlx-lm's repetition penalty, then one that allows only the token after
-    the last one) with drafts equal plain decoding with them: each verify row is shaped with the tokens before
-    it, the ones fed earlier in the same verify forward included."""
+    the last one) with drafts equal plain decoding with them: each verify row is shaped with the
+    tokens before it, the ones fed earlier in the same verify forward included."""
     from mlx_lm.sample_utils import make_logits_processors
 
     model, prompt = tiny

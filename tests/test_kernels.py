@@ -79,7 +79,10 @@ def adversarial_groups(kind: str, seed: int = 0) -> np.ndarray:
     products t*s, scale boundaries, saturation, zeros, -0, tiny and subnormal-scale groups."""
     group = fp4_mod.KINDS[kind][0]
     r = rng(seed)
-    scales = [1.0, 0.375, 2.0 ** -9, 0.0390625, 448.0] if kind == "kv" else [1.0, 2.0 ** -20, 2.0 ** 30]
+    if kind == "kv":
+        scales = [1.0, 0.375, 2.0 ** -9, 0.0390625, 448.0]
+    else:
+        scales = [1.0, 2.0 ** -20, 2.0 ** 30]
     groups = [_ties_group(group, s) for s in scales]
     for s in scales[:3]:  # neighbours of t*s: x / s rounds onto t only from exactly t*s
         t = np.resize(np.array(E2M1_TIES, dtype=F32) * F32(s), group - 1)
@@ -89,9 +92,10 @@ def adversarial_groups(kind: str, seed: int = 0) -> np.ndarray:
         g = r.uniform(-1, 1, group).astype(F32) * amax
         g[r.integers(group)] = amax * (1 if r.random() < 0.5 else -1)
         groups.append(g)
-    special = [np.full(group, 0.0), np.full(group, -0.0), np.full(group, 1e-6), np.full(group, -1e-30),
-               np.full(group, 3e-39), np.full(group, 2688.0), np.full(group, 3.0e38),
-               np.linspace(-0.05, 0.05, group), np.linspace(-3000.0, 20.0, group)]
+    special = [np.full(group, 0.0), np.full(group, -0.0), np.full(group, 1e-6),
+               np.full(group, -1e-30), np.full(group, 3e-39), np.full(group, 2688.0),
+               np.full(group, 3.0e38), np.linspace(-0.05, 0.05, group),
+               np.linspace(-3000.0, 20.0, group)]
     groups += [np.asarray(g, dtype=F32) for g in special]
     return np.stack(groups).astype(F32)
 
@@ -103,7 +107,8 @@ def as_rows(groups: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([groups, filler]).reshape(-1, width)
 
 
-@pytest.mark.parametrize("kind, width", [("kv", 16), ("kv", 64), ("kv", 512), ("index", 32), ("index", 128)])
+@pytest.mark.parametrize("kind, width", [("kv", 16), ("kv", 64), ("kv", 512), ("index", 32),
+                                         ("index", 128)])
 def test_fp4_pack_random_rows_bit_exact(kind, width):
     run = pack_kernel()
     r = rng(width)
@@ -121,11 +126,13 @@ def test_fp4_pack_adversarial_rows_bit_exact(kind):
     got = pack_kernel("checked")(x, kind)
     np.testing.assert_array_equal(np.array(got), np.array(fp4_mod.fp4_pack_ops(x, kind)))
     # decode(kernel bytes) is the spec's QDQ value bit for bit
-    unpack, qdq = (unpack_fp4_e4m3, fp4_e4m3_qdq) if kind == "kv" else (unpack_fp4_e8m0, fp4_e8m0_qdq)
+    unpack, qdq = ((unpack_fp4_e4m3, fp4_e4m3_qdq) if kind == "kv"
+                   else (unpack_fp4_e8m0, fp4_e8m0_qdq))
     np.testing.assert_array_equal(bits(unpack(got, mx.float32)), bits(qdq(x)))
     # bf16 inputs too (ties and saturation survive the cast)
     xb = x.astype(mx.bfloat16)
-    np.testing.assert_array_equal(np.array(pack_kernel()(xb, kind)), np.array(fp4_mod.fp4_pack_ops(xb, kind)))
+    np.testing.assert_array_equal(np.array(pack_kernel()(xb, kind)),
+                                  np.array(fp4_mod.fp4_pack_ops(xb, kind)))
 
 
 def test_fp4_pack_adversarial_set_reaches_the_scale_correction():
@@ -190,7 +197,8 @@ def test_swa_ring_update_bit_exact(batch, capacity, width, length, offset):
     run = ring_kernel()
     pool = ring_groups(length).reshape(-1)
     keep = min(length, capacity)
-    slots = mx.array([(offset + i) % capacity for i in range(length - keep, length)], dtype=mx.int32)
+    slots = mx.array([(offset + i) % capacity for i in range(length - keep, length)],
+                     dtype=mx.int32)
     others = mx.array([s for s in range(capacity) if s not in np.array(slots)], dtype=mx.int32)
     for ring_dtype, rows_dtype in ((mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32),
                                    (mx.uint8, mx.bfloat16), (mx.uint8, mx.float32)):
@@ -202,7 +210,8 @@ def test_swa_ring_update_bit_exact(batch, capacity, width, length, offset):
                                       bits(want) if ring_dtype != mx.uint8 else np.array(want))
         # the kept rows hold their act_fp8 QDQ values; every other slot is untouched
         kept = act_fp8_qdq(rows[:, length - keep:].astype(mx.float32))
-        np.testing.assert_array_equal(bits(_ring_values(got[:, slots]).astype(mx.float32)), bits(kept))
+        np.testing.assert_array_equal(bits(_ring_values(got[:, slots]).astype(mx.float32)),
+                                      bits(kept))
         if others.size:
             np.testing.assert_array_equal(np.array(got[:, others].view(mx.uint8)),
                                           np.array(ring[:, others].view(mx.uint8)))
@@ -229,8 +238,8 @@ def test_swa_ring_decode_loop_races_and_coverage(ring_dtype):
         ring = run(ring, rows[:, pos:pos + 1], pos)
     rounded = act_fp8_qdq(rows.astype(mx.float32))
     for pos in range(13 - capacity, 13):
-        np.testing.assert_array_equal(bits(_ring_values(ring[:, pos % capacity]).astype(mx.float32)),
-                                      bits(rounded[:, pos]))
+        row = _ring_values(ring[:, pos % capacity]).astype(mx.float32)
+        np.testing.assert_array_equal(bits(row), bits(rounded[:, pos]))
 
 
 # ------------------------------------------------------------------------------ sparse attention
@@ -263,18 +272,18 @@ def blocked_model(q, window, packed_kv, rows, sinks, scale, window_size):
                 valid.append(ok)
             kv, valid = np.concatenate(entries), np.concatenate(valid)
             z = np.where(valid, q[b, s] @ kv.T * scale, -np.inf)                     # [H, N]
-            m, l = np.full(heads, -1e30), np.zeros(heads)
+            m, row_sum = np.full(heads, -1e30), np.zeros(heads)
             acc, am = np.zeros((heads, dim)), np.zeros((heads, dim))
             for start in range(0, z.shape[1], 64):
                 zb, vb = z[:, start:start + 64], kv[start:start + 64]
                 m_new = np.maximum(m, zb.max(axis=1))
                 alpha, p = np.exp(m - m_new), np.exp(zb - m_new[:, None])
                 pb = bf16_round(p)
-                l = l * alpha + p.sum(axis=1)
+                row_sum = row_sum * alpha + p.sum(axis=1)
                 acc = acc * alpha[:, None] + pb @ vb
                 am = am * alpha[:, None] + pb @ np.abs(vb)
                 m = m_new
-            denom = (l + np.exp(sinks - m))[:, None]
+            denom = (row_sum + np.exp(sinks - m))[:, None]
             out[b, s], mag[b, s] = acc / denom, am / denom
     return out, mag
 
@@ -296,7 +305,8 @@ def attention_inputs(batch, length, heads, dim, prefix, total, topk, seed):
 
 
 ATTENTION_CASES = {
-    # name: (batch, length, heads, dim, prefix, window_size, total, topk, heads_per_group, simdgroups)
+    # name: (batch, length, heads, dim, prefix, window_size, total, topk, heads_per_group,
+    #        simdgroups)
     "decode_full_window": (1, 1, 8, 64, 127, 128, 150, 70, None, 4),
     "decode_d512": (1, 1, 4, 512, 127, 128, 200, 130, None, 4),
     "prefill_from_zero": (2, 5, 4, 64, 0, 8, 40, 37, 2, 2),
@@ -316,7 +326,8 @@ def assert_attention_close(got, q, window, packed, rows, sinks, scale, window_si
       are rounded to bf16 (<= 2^-9 mag each)."""
     ops = attn_mod.sparse_attention_ops(q, window, packed, rows, sinks, scale, window_size)
     model, mag = blocked_model(q, window, packed, rows, sinks, scale, window_size)
-    got, ops = np.array(got.astype(mx.float32), np.float64), np.array(ops.astype(mx.float32), np.float64)
+    got = np.array(got.astype(mx.float32), np.float64)
+    ops = np.array(ops.astype(mx.float32), np.float64)
     assert np.isfinite(got).all()
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(model), 1e-30))) - 7)
     assert (np.abs(got - model) <= ulp + 2.0 ** -20 * mag).all()
@@ -382,7 +393,8 @@ def test_pack_then_attend_end_to_end():
 # ------------------------------------------------------------------------------ dispatchers
 @pytest.mark.skipif(mx.metal.is_available(), reason="checks the fallback on machines without Metal")
 def test_dispatchers_fall_back_to_ops_without_metal():
-    """Here the Metal kernels cannot run (calling one raises), so equal results prove the fallback."""
+    """Here the Metal kernels cannot run (calling one raises), so equal results prove the
+    fallback."""
     x = mx.array(rng(8).standard_normal((3, 64)).astype(F32)).astype(mx.bfloat16)
     for kind in ("kv", "index"):
         np.testing.assert_array_equal(np.array(fp4_mod.fp4_pack(x, kind)),

@@ -36,14 +36,18 @@ out[i] = x[i] + x_shape[0] + y_strides[0] + y_ndim + s + c[0];
 
 GENERATOR_CASES = {
     "template_mix_and_sizes": dict(
-        spec=dict(name="gen_a", input_names=["x", "y", "s", "c"], output_names=["out"], source=_ATTR_SOURCE,
+        spec=dict(name="gen_a", input_names=["x", "y", "s", "c"], output_names=["out"],
+                  source=_ATTR_SOURCE,
                   header="#define GEN_A 1\ninline float twice(float v) { return 2 * v; }\n"),
-        inputs=[mx.zeros((4, 16)), mx.zeros((9,), mx.int32), mx.array(1.5), mx.zeros((3,), mx.float16)],
-        out_dtypes=[mx.float32], template=[("T", mx.bfloat16), ("N", 7), ("B", True), ("C", False)]),
+        inputs=[mx.zeros((4, 16)), mx.zeros((9,), mx.int32), mx.array(1.5),
+                mx.zeros((3,), mx.float16)],
+        out_dtypes=[mx.float32],
+        template=[("T", mx.bfloat16), ("N", 7), ("B", True), ("C", False)]),
     "atomic_two_outputs": dict(
         spec=dict(name="gen_b", input_names=["idx"], output_names=["h", "g"], atomic_outputs=True,
-                  source="uint i = thread_position_in_grid.x; atomic_fetch_add_explicit(&h[idx[i]], 1, "
-                         "memory_order_relaxed); atomic_fetch_add_explicit(&g[0], 1, memory_order_relaxed);"),
+                  source="uint i = thread_position_in_grid.x; "
+                         "atomic_fetch_add_explicit(&h[idx[i]], 1, memory_order_relaxed); "
+                         "atomic_fetch_add_explicit(&g[0], 1, memory_order_relaxed);"),
         inputs=[mx.zeros((100,), mx.int32)], out_dtypes=[mx.uint32, mx.int32], template=[]),
     "separator_quirk_no_attribute": dict(
         spec=dict(name="gen_c", input_names=["x"], output_names=["o1", "o2"],
@@ -58,11 +62,13 @@ GENERATOR_CASES = {
 
 @pytest.mark.parametrize("case", sorted(GENERATOR_CASES))
 def test_port_matches_mlx_generated_source(case):
-    """The port is byte-identical to the text MLX itself generates (captured under export tracing)."""
+    """The port is byte-identical to the text MLX itself generates (captured under export
+    tracing)."""
     c = GENERATOR_CASES[case]
     s = c["spec"]
-    spec = generator.KernelSpec(s["name"], tuple(s["input_names"]), tuple(s["output_names"]), s["source"],
-                                s.get("header", ""), True, s.get("atomic_outputs", False))
+    spec = generator.KernelSpec(s["name"], tuple(s["input_names"]), tuple(s["output_names"]),
+                                s["source"], s.get("header", ""), True,
+                                s.get("atomic_outputs", False))
     arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in c["inputs"]]
     metas = [generator.InputMeta(a.dtype, a.ndim, a.size) for a in arrays]
     port = generator.port_source(spec, metas, c["out_dtypes"], c["template"])
@@ -74,8 +80,8 @@ def test_simulator_runs_the_text_mlx_generates(capsys):
     """What the simulator compiles (and prints with verbose=True) is MLX's own text."""
     src = "uint i = thread_position_in_grid.x; if (i < n) out[i] = T(inp[i] * s);"
     inp = mx.arange(19, dtype=mx.float32)
-    kw = dict(inputs=[inp, 19, 0.5], template=[("T", mx.float16)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-              output_shapes=[(19,)], output_dtypes=[mx.float16])
+    kw = dict(inputs=[inp, 19, 0.5], template=[("T", mx.float16)], grid=(32, 1, 1),
+              threadgroup=(32, 1, 1), output_shapes=[(19,)], output_dtypes=[mx.float16])
     k = metal_kernel("scale", ["inp", "n", "s"], ["out"], src, options=SimOptions(source="port"))
     out, = k(verbose=True, **kw)
     printed = capsys.readouterr().out
@@ -117,7 +123,8 @@ def test_elementwise_with_template_parameters():
     """
     k = sim("elementwise", ["inp", "scale"], ["out"], src)
     x = RNG.standard_normal((7, 13)).astype(np.float32)
-    for dt_in, dt_out, n, b in [(mx.float32, mx.float32, 2, True), (mx.float16, mx.bfloat16, -1, False),
+    for dt_in, dt_out, n, b in [(mx.float32, mx.float32, 2, True),
+                                (mx.float16, mx.bfloat16, -1, False),
                                 (mx.bfloat16, mx.float16, 0, True)]:
         xin = mx.array(x).astype(dt_in)
         out, = k(inputs=[xin, 0.75], template=[("T", dt_out), ("N", n), ("B", b)], grid=(96, 1, 1),
@@ -166,7 +173,8 @@ def test_threadgroup_reduction_with_barriers(dtype):
                    output_shapes=[(7,), (7,)], output_dtypes=[mx.float32, mx.float32])
     xf = np.array(x.astype(mx.float32)).astype(np.float64)
     np.testing.assert_array_equal(np.array(mx_out), xf.max(1).astype(np.float32))
-    np.testing.assert_allclose(np.array(se), np.exp(xf - xf.max(1, keepdims=True)).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(np.array(se), np.exp(xf - xf.max(1, keepdims=True)).sum(1),
+                               rtol=1e-5)
     assert k.last_stats["barriers"] == 7 * (3 + 2 * 7)
 
 
@@ -220,7 +228,8 @@ def _simd_reference(x: np.ndarray):
         ref[s:s + 32, 12] = 2 * v.sum()
         j = lane % 8 + 4
         base = lane - lane % 8
-        ref[s:s + 32, 13] = np.where(j < 8, v[base + np.minimum(j, 7)], -v[base + np.maximum(j - 8, 0)])
+        ref[s:s + 32, 13] = np.where(j < 8, v[base + np.minimum(j, 7)],
+                                     -v[base + np.maximum(j - 8, 0)])
         bits[s:s + 32, 0] = sum(1 << int(k) for k in lane[v > 0])
         bits[s:s + 32, 1] = 0xFF
         bits[s:s + 32, 2] = 1
@@ -252,8 +261,8 @@ out[thread_position_in_grid.x] = r;
 def test_simd_ops_cover_active_lanes_only():
     """A divergent simd_sum reduces over the active lanes; strict mode (the default) rejects it."""
     x = RNG.standard_normal(64).astype(np.float32)
-    args = dict(inputs=[mx.array(x)], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
-                output_dtypes=[mx.float32])
+    args = dict(inputs=[mx.array(x)], grid=(64, 1, 1), threadgroup=(64, 1, 1),
+                output_shapes=[(64,)], output_dtypes=[mx.float32])
     k = lenient("partial_simd", ["x"], ["out"], _PARTIAL)
     out, = k(**args)
     ref = np.full(64, -1.0)
@@ -261,7 +270,8 @@ def test_simd_ops_cover_active_lanes_only():
         ref[s:s + 20] = x[s:s + 20].sum()
     np.testing.assert_allclose(np.array(out), ref, rtol=1e-5)
     assert k.last_stats["partial_simd_ops"] == 2
-    with pytest.raises(KernelRuntimeError, match=r"\[source:5\]: threadgroup \(0,0,0\): SIMD operation executed by part of simdgroup 0"):
+    with pytest.raises(KernelRuntimeError, match=r"\[source:5\]: threadgroup \(0,0,0\): "
+                                                 r"SIMD operation executed by part of simdgroup 0"):
         sim("partial_simd", ["x"], ["out"], _PARTIAL)(**args)
 
 
@@ -282,16 +292,18 @@ def test_edge_threadgroups_and_partial_last_simdgroup():
 
 _ATTR_KERNEL = """
 uint3 G = threads_per_grid;
-uint gid = thread_position_in_grid.x + thread_position_in_grid.y * G.x + thread_position_in_grid.z * G.x * G.y;
+uint gid = thread_position_in_grid.x + thread_position_in_grid.y * G.x
+           + thread_position_in_grid.z * G.x * G.y;
 device uint* o = out + gid * 38;
 uint3 v3[9] = {dispatch_threads_per_threadgroup, grid_origin, grid_size, thread_position_in_grid,
                thread_position_in_threadgroup, threadgroup_position_in_grid, threadgroups_per_grid,
                threads_per_grid, threads_per_threadgroup};
 for (int k = 0; k < 9; ++k) { o[3 * k] = v3[k].x; o[3 * k + 1] = v3[k].y; o[3 * k + 2] = v3[k].z; }
 uint s[11] = {dispatch_quadgroups_per_threadgroup, dispatch_simdgroups_per_threadgroup,
-              quadgroup_index_in_threadgroup, quadgroups_per_threadgroup, simdgroup_index_in_threadgroup,
-              simdgroups_per_threadgroup, thread_execution_width, thread_index_in_quadgroup,
-              thread_index_in_simdgroup, thread_index_in_threadgroup, threads_per_simdgroup};
+              quadgroup_index_in_threadgroup, quadgroups_per_threadgroup,
+              simdgroup_index_in_threadgroup, simdgroups_per_threadgroup, thread_execution_width,
+              thread_index_in_quadgroup, thread_index_in_simdgroup, thread_index_in_threadgroup,
+              threads_per_simdgroup};
 for (int k = 0; k < 11; ++k) o[27 + k] = s[k];
 """
 
@@ -299,12 +311,15 @@ for (int k = 0; k < 11; ++k) o[27 + k] = s[k];
 def test_all_attributes_on_a_non_uniform_3d_grid():
     G, T = np.array([37, 3, 2]), np.array([16, 2, 2])
     k = metal_kernel("attrs", ["x"], ["out"], _ATTR_KERNEL, options=SimOptions(check_coverage=True))
-    out, = k(inputs=[mx.zeros(8)], grid=tuple(int(g) for g in G), threadgroup=tuple(int(t) for t in T),
-             output_shapes=[(int(G.prod()), 38)], output_dtypes=[mx.uint32])
+    out, = k(inputs=[mx.zeros(8)], grid=tuple(int(g) for g in G),
+             threadgroup=tuple(int(t) for t in T), output_shapes=[(int(G.prod()), 38)],
+             output_dtypes=[mx.uint32])
     out = np.array(out)
     D = np.minimum(T, G)
     N = -(-G // D)
-    ceil = lambda a, b: -(-a // b)
+
+    def ceil(a, b):
+        return -(-a // b)
     for z in range(G[2]):
         for y in range(G[1]):
             for x in range(G[0]):
@@ -315,9 +330,11 @@ def test_all_attributes_on_a_non_uniform_3d_grid():
                 t = p[0] + p[1] * A[0] + p[2] * A[0] * A[1]
                 n, nd = A.prod(), D.prod()
                 v3 = [D, [0, 0, 0], G, pos, p, g, N, G, A]
-                s = [ceil(nd, 4), ceil(nd, 32), t // 4, ceil(n, 4), t // 32, ceil(n, 32), 32, t % 4, t % 32, t, 32]
+                s = [ceil(nd, 4), ceil(nd, 32), t // 4, ceil(n, 4), t // 32, ceil(n, 32), 32,
+                     t % 4, t % 32, t, 32]
                 gid = x + y * G[0] + z * G[0] * G[1]
-                np.testing.assert_array_equal(out[gid], np.concatenate([np.ravel(v3), s]), err_msg=str(pos))
+                np.testing.assert_array_equal(out[gid], np.concatenate([np.ravel(v3), s]),
+                                              err_msg=str(pos))
 
 
 _TYPES = """
@@ -347,7 +364,8 @@ def test_vectors_swizzles_literals_and_conversions():
                           output_shapes=[(4 * n,), (n,), (n,), (4 * n,)],
                           output_dtypes=[mx.float32, mx.bfloat16, mx.float16, mx.uint32])
     v = x.reshape(n, 4)
-    w = np.stack([v[:, 2] * 2, v[:, 3] * 2, v[:, 1] + 1.5, v[:, 0]], 1).astype(np.float16).astype(np.float32)
+    w = np.stack([v[:, 2] * 2, v[:, 3] * 2, v[:, 1] + 1.5, v[:, 0]], 1)
+    w = w.astype(np.float16).astype(np.float32)
     np.testing.assert_array_equal(np.array(out).reshape(n, 4), w)
     got_bf = np.asarray(bf.view(mx.uint16))
     assert (got_bf[0], got_bf[1]) == (0x3F80, 0x3F82)  # ties to even
@@ -361,7 +379,8 @@ def test_vectors_swizzles_literals_and_conversions():
 
 
 def test_strided_inputs_with_elem_to_loc():
-    """MLX's documented example with ensure_row_contiguous=False: transposed, sliced and broadcast inputs."""
+    """MLX's documented example with ensure_row_contiguous=False: transposed, sliced and
+    broadcast inputs."""
     src = """
     uint elem = thread_position_in_grid.x;
     T tmp = inp[elem_to_loc(elem, inp_shape, inp_strides, inp_ndim)];
@@ -371,8 +390,8 @@ def test_strided_inputs_with_elem_to_loc():
                      options=SimOptions(check_coverage=True))
     base = mx.array(RNG.standard_normal((6, 10)).astype(np.float32))
     for a in (base.T, base[1:, ::3], mx.broadcast_to(base[2], (5, 10))):
-        out, = k(inputs=[a], template=[("T", mx.float32)], grid=(a.size, 1, 1), threadgroup=(64, 1, 1),
-                 output_shapes=[a.shape], output_dtypes=[mx.float32])
+        out, = k(inputs=[a], template=[("T", mx.float32)], grid=(a.size, 1, 1),
+                 threadgroup=(64, 1, 1), output_shapes=[a.shape], output_dtypes=[mx.float32])
         np.testing.assert_allclose(np.array(out), np.exp(np.array(a)), rtol=1e-6)
 
 
@@ -388,8 +407,8 @@ out[thread_position_in_grid.x] = buf[(t + 1) % TG];
 
 def test_missing_barrier_is_caught():
     x = RNG.standard_normal(96).astype(np.float32)
-    args = dict(inputs=[mx.array(x)], template=[("TG", 32)], grid=(96, 1, 1), threadgroup=(32, 1, 1),
-                output_shapes=[(96,)], output_dtypes=[mx.float32])
+    args = dict(inputs=[mx.array(x)], template=[("TG", 32)], grid=(96, 1, 1),
+                threadgroup=(32, 1, 1), output_shapes=[(96,)], output_dtypes=[mx.float32])
     good = _SHIFT.format(barrier="threadgroup_barrier(mem_flags::mem_threadgroup);")
     out, = racy("shift", ["x"], ["out"], good)(**args)
     np.testing.assert_array_equal(np.array(out), np.roll(x.reshape(3, 32), -1, axis=1).ravel())
@@ -400,13 +419,14 @@ def test_missing_barrier_is_caught():
     assert np.isnan(np.array(out)).any()
     # Without poison, the reverse / shuffled lane order gives a different result.
     with pytest.raises(KernelRuntimeError, match="race: output 'out' differs"):
-        metal_kernel("shift", ["x"], ["out"], bad, options=SimOptions(poison=False, check_races=True))(**args)
+        metal_kernel("shift", ["x"], ["out"], bad,
+                     options=SimOptions(poison=False, check_races=True))(**args)
 
 
 def test_unwritten_output_is_caught():
     src = "uint i = thread_position_in_grid.x; if (i % 7 != 3) out[i] = x[i];"
-    args = dict(inputs=[mx.zeros(40)], grid=(40, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(40,)],
-                output_dtypes=[mx.float32])
+    args = dict(inputs=[mx.zeros(40)], grid=(40, 1, 1), threadgroup=(32, 1, 1),
+                output_shapes=[(40,)], output_dtypes=[mx.float32])
     out, = sim("holes", ["x"], ["out"], src)(**args)
     assert np.isnan(np.array(out)[3]) and np.array(out)[4] == 0
     with pytest.raises(KernelRuntimeError, match="never written.*first at flat index 3"):
@@ -422,7 +442,8 @@ def test_unwritten_output_is_caught():
      r"\[source:3\].*threadgroup_barrier reached after 24 of 32 threads returned"),
     ("threadgroup float big[9000];\nbig[thread_index_in_threadgroup] = 1;\nout[0] = big[0];",
      r"threadgroup memory of 36000 bytes exceeds the limit of 32768"),
-    ("out[thread_position_in_grid.x] = 1;", r"out-of-bounds write: the guard band past its end of output 'out'"),
+    ("out[thread_position_in_grid.x] = 1;",
+     r"out-of-bounds write: the guard band past its end of output 'out'"),
 ])
 def test_detectors(src, message):
     k = sim("detect", ["x"], ["out"], src)
@@ -434,14 +455,15 @@ def test_detectors(src, message):
 def test_compile_errors_point_at_the_metal_source():
     src = "uint i = thread_position_in_grid.x;\nout[i] = inp[i] * s;"
     k = sim("scalar_as_array", ["inp", "s"], ["out"], src)
-    args = dict(grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)], output_dtypes=[mx.float32])
+    args = dict(grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)],
+                output_dtypes=[mx.float32])
     out, = k(inputs=[mx.ones(8), 2.0], **args)  # a scalar binds as `const constant float&`
     np.testing.assert_array_equal(np.array(out), 2.0)
     with pytest.raises(MetalCompileError, match=r"\[source:2:\d+\].*invalid operands"):
         k(inputs=[mx.ones(8), mx.array([2.0])], **args)  # a 1-element array binds as a pointer
     with pytest.raises(MetalCompileError, match=r"\[header:2:\d+\]"):
-        sim("bad_header", ["inp"], ["out"], "out[0] = 1;", header="// helpers\nint f() { return nope; }\n")(
-            inputs=[mx.ones(8)], **args)
+        sim("bad_header", ["inp"], ["out"], "out[0] = 1;",
+            header="// helpers\nint f() { return nope; }\n")(inputs=[mx.ones(8)], **args)
 
 
 # ------------------------------------------------------------------------------ atomics
@@ -461,7 +483,8 @@ def test_device_atomics_histogram_and_float_sum():
     np.testing.assert_array_equal(np.array(hist), np.bincount(idx, minlength=17))
     assert int(np.array(total)[0]) == int((idx + 1).sum())
 
-    fsrc = "uint i = thread_position_in_grid.x; atomic_fetch_add_explicit(&acc[i % 3], x[i], memory_order_relaxed);"
+    fsrc = ("uint i = thread_position_in_grid.x; "
+            "atomic_fetch_add_explicit(&acc[i % 3], x[i], memory_order_relaxed);")
     x = RNG.standard_normal(999).astype(np.float32)
     acc, = sim("float_atomic", ["x"], ["acc"], fsrc, atomic_outputs=True)(
         inputs=[mx.array(x)], grid=(999, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(3,)],
@@ -475,9 +498,11 @@ def test_threadgroup_atomics():
     uint t = thread_index_in_threadgroup;
     if (t == 0) atomic_store_explicit(&count, 0u, memory_order_relaxed);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (x[thread_position_in_grid.x] > 0.0f) atomic_fetch_add_explicit(&count, 1u, memory_order_relaxed);
+    if (x[thread_position_in_grid.x] > 0.0f)
+        atomic_fetch_add_explicit(&count, 1u, memory_order_relaxed);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (t == 0) out[threadgroup_position_in_grid.x] = atomic_load_explicit(&count, memory_order_relaxed);
+    if (t == 0)
+        out[threadgroup_position_in_grid.x] = atomic_load_explicit(&count, memory_order_relaxed);
     """
     x = RNG.standard_normal(320).astype(np.float32)
     out, = racy("tg_atomic", ["x"], ["out"], src)(
@@ -496,8 +521,10 @@ def test_builder_reads_package_text_and_takes_the_factory():
     x = mx.array(RNG.standard_normal((5, 77)).astype(np.float32)).astype(mx.bfloat16)
     out, = k(inputs=[x, 0.5], template=[("T", mx.float32), ("TG", 64)], grid=(64, 5, 1),
              threadgroup=(64, 1, 1), output_shapes=[(5,)], output_dtypes=[mx.float32])
-    np.testing.assert_allclose(np.array(out), np.array(x.astype(mx.float32)).sum(1) * 0.5, rtol=1e-5, atol=1e-5)
-    # Production's factory (mx.fast.metal_kernel) builds from the same text; on Linux only the call fails.
+    np.testing.assert_allclose(np.array(out), np.array(x.astype(mx.float32)).sum(1) * 0.5,
+                               rtol=1e-5, atol=1e-5)
+    # Production's factory (mx.fast.metal_kernel) builds from the same text; on Linux only the
+    # call fails.
     assert callable(build_kernel("scaled_rowsum", ["x", "scale"], ["out"], "scaled_rowsum.metal",
                                  header_files=("example.h",), package=pkg))
 
@@ -577,4 +604,5 @@ def test_msl_surface_compiles_and_matches_numpy():
         15: np.full(n, 2 + 3 + 0.75),
     }
     for col, ref in expect.items():
-        np.testing.assert_allclose(o[:, col], np.asarray(ref, dtype=f), rtol=2e-6, atol=1e-6, err_msg=f"column {col}")
+        np.testing.assert_allclose(o[:, col], np.asarray(ref, dtype=f), rtol=2e-6, atol=1e-6,
+                                   err_msg=f"column {col}")

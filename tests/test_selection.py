@@ -142,7 +142,8 @@ def test_candidate_pool_reproduces_reference(goldens, name, source, _):
     expected = np.array(g.reference[f"prefill.layers.{source}.indexer.candidates"])
     pool = _pool(g, source)
     ties = _tie_rows(g, source, "candidate_blocks")
-    bad = [row for row in range(len(pool)) if row not in ties and not (pool[row] == expected[row]).all()]
+    bad = [row for row in range(len(pool))
+           if row not in ties and not (pool[row] == expected[row]).all()]
     assert bad == []
     assert (~expected).any(), "the pool must actually restrict some rows in this golden"
 

@@ -274,7 +274,8 @@ def test_cli_image_flags(capsys, folder, loaded, cached_load, twins):
     assert f"Prompt: {n} tokens" in out
     code, out, _ = run_generate(capsys, folder, "--ignore-chat-template", "-p",
                                 "X <｜deepseek_image｜> Y", "--image", str(twins[1]))
-    expected = greedy(model, image_prompt(model, tokenizer, twins[1:], "X <｜deepseek_image｜> Y"), 2)
+    prompt = image_prompt(model, tokenizer, twins[1:], "X <｜deepseek_image｜> Y")
+    expected = greedy(model, prompt, 2)
     assert code == 0 and out.split(RULE)[1].strip("\n") == tokenizer.decode(
         expected, skip_special_tokens=False)
 

@@ -43,8 +43,8 @@ def find_compiler(cxx: str | None = None) -> tuple[str, str]:
     name = cxx or os.environ.get("METAL_SIM_CXX") or "g++"
     path = shutil.which(name)
     if path is None:
-        raise MetalSimError(f"metal_sim: C++ compiler '{name}' not found (need g++ >= 12 or clang >= 15; "
-                            "install g++ or set METAL_SIM_CXX)")
+        raise MetalSimError(f"metal_sim: C++ compiler '{name}' not found (need g++ >= 12 or "
+                            "clang >= 15; install g++ or set METAL_SIM_CXX)")
     version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
     m = re.search(r"(clang)? ?version (\d+)|\) (\d+)\.\d+", version)
     major = int(m.group(2) or m.group(3)) if m else 0
@@ -80,7 +80,8 @@ def _locked(d: Path):
 def _run(cmd: list[str], what: str) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise MetalSimError(f"metal_sim: building {what} failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
+        raise MetalSimError(f"metal_sim: building {what} failed:\n{' '.join(cmd)}\n"
+                            f"{r.stderr[-6000:]}")
 
 
 def _build_once(target: Path, build) -> Path:
@@ -120,8 +121,9 @@ def pch_dir(cxx: str | None, opt: str) -> Path:
     if "clang" in version:
         return d  # no PCH for clang (the plain header is used)
     _build_once(target, lambda tmp: _run(
-        [path, *FLAGS, opt, "-x", "c++-header", "-I", str(SHIM_DIR), "-I", str(SHIM_DIR / "include"),
-         str(SHIM_DIR / SHIM_HEADER), "-o", str(tmp)], "the precompiled shim header"))
+        [path, *FLAGS, opt, "-x", "c++-header", "-I", str(SHIM_DIR), "-I",
+         str(SHIM_DIR / "include"), str(SHIM_DIR / SHIM_HEADER), "-o", str(tmp)],
+        "the precompiled shim header"))
     return d
 
 
@@ -168,6 +170,7 @@ def compile_kernel(cpp: str, *, cxx: str | None, opt: str, remap) -> tuple[ctype
 
 
 def _trim(diag: str, limit: int = 8000) -> str:
-    lines = [ln for ln in diag.splitlines() if "In instantiation of" not in ln or "kernel.metal" in ln]
+    lines = [ln for ln in diag.splitlines()
+             if "In instantiation of" not in ln or "kernel.metal" in ln]
     text = "\n".join(lines)
     return text if len(text) <= limit else text[:limit] + "\n... (truncated)"

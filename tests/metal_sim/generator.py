@@ -88,7 +88,8 @@ class KernelSpec:
 
     def shape_infos(self) -> list[tuple[bool, bool, bool]]:
         """Which of ``<name>_shape/_strides/_ndim`` the *source* mentions (substring search)."""
-        return [(f"{n}_shape" in self.source, f"{n}_strides" in self.source, f"{n}_ndim" in self.source)
+        return [(f"{n}_shape" in self.source, f"{n}_strides" in self.source,
+                 f"{n}_ndim" in self.source)
                 for n in self.input_names]
 
     def attributes(self) -> list[str]:
@@ -117,7 +118,8 @@ def check_template(template) -> list[tuple[str, object]]:
         name, value = item
         if not isinstance(value, (bool, int, mx.Dtype)):
             raise ValueError(
-                "[metal_kernel] Invalid template argument. Must be `mlx.core.Dtype`, `int` or `bool`.")
+                "[metal_kernel] Invalid template argument. Must be `mlx.core.Dtype`, `int` or "
+                "`bool`.")
         out.append((name, value))
     return out
 
@@ -224,7 +226,10 @@ def _stdout_fd_to_file():
 
 
 def _example(m: InputMeta) -> mx.array:
-    shape = () if m.ndim == 0 else (1,) if m.size < MAX_CONSTANT_ARRAY_SIZE else (MAX_CONSTANT_ARRAY_SIZE,)
+    if m.ndim == 0:
+        shape = ()
+    else:
+        shape = (1,) if m.size < MAX_CONSTANT_ARRAY_SIZE else (MAX_CONSTANT_ARRAY_SIZE,)
     return mx.zeros(shape, dtype=m.dtype)
 
 
@@ -233,15 +238,16 @@ def capture_source(spec: KernelSpec, metas, output_dtypes, template) -> str:
     k = _mlx_kernels.get(spec)
     if k is None:
         k = mx.fast.metal_kernel(
-            name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names),
-            source=spec.source, header=spec.header, ensure_row_contiguous=spec.ensure_row_contiguous,
-            atomic_outputs=spec.atomic_outputs)
+            name=spec.name, input_names=list(spec.input_names),
+            output_names=list(spec.output_names), source=spec.source, header=spec.header,
+            ensure_row_contiguous=spec.ensure_row_contiguous, atomic_outputs=spec.atomic_outputs)
         _mlx_kernels[spec] = k
     n_out = len(spec.output_names)
 
     def f(*xs):
-        return k(inputs=list(xs), template=list(template) or None, grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                 output_shapes=[(1,)] * n_out, output_dtypes=list(output_dtypes), verbose=True)
+        return k(inputs=list(xs), template=list(template) or None, grid=(1, 1, 1),
+                 threadgroup=(1, 1, 1), output_shapes=[(1,)] * n_out,
+                 output_dtypes=list(output_dtypes), verbose=True)
 
     with tempfile.TemporaryDirectory() as d:
         with _stdout_fd_to_file() as out:
@@ -281,7 +287,8 @@ def generate(spec: KernelSpec, metas, output_dtypes, template, mode: str = "auto
         try:
             text = capture_source(spec, metas, output_dtypes, template)
         except RuntimeError as e:
-            # Only a closed capture path falls back to the port; MLX's own argument errors propagate.
+            # Only a closed capture path falls back to the port; MLX's own argument errors
+            # propagate.
             if "No Metal back-end" not in str(e) and "no generated source" not in str(e):
                 raise
             if not _warned:

@@ -7,7 +7,6 @@ import re
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
-import numpy as np
 
 from . import build, generator, rewrite, runner
 from .errors import KernelRuntimeError
@@ -75,11 +74,14 @@ class SimKernel:
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None):
         spec, opt = self.spec, self.options
-        inputs, output_shapes, output_dtypes = list(inputs), list(output_shapes), list(output_dtypes)
-        for what, got in (("inputs", inputs), ("output_shapes", output_shapes), ("output_dtypes", output_dtypes)):
+        inputs, output_shapes = list(inputs), list(output_shapes)
+        output_dtypes = list(output_dtypes)
+        for what, got in (("inputs", inputs), ("output_shapes", output_shapes),
+                          ("output_dtypes", output_dtypes)):
             want = len(spec.input_names) if what == "inputs" else len(spec.output_names)
             if len(got) != want:
-                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {want} but got size {len(got)}.\n")
+                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {want} but got "
+                                 f"size {len(got)}.\n")
         template = generator.check_template(template)
         grid, threadgroup = _triple(grid, "grid"), _triple(threadgroup, "threadgroup")
         arrays = [_to_array(x) for x in inputs]
@@ -95,8 +97,9 @@ class SimKernel:
             print(f"Generated source code for `{spec.name}`:\n```\n{metal}\n```")
         tg_threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
         if tg_threads > opt.max_threads:
-            raise ValueError(f"[metal_kernel] The requested threadgroup {threadgroup} has {tg_threads} threads, "
-                             f"more than the maximum of {opt.max_threads} per threadgroup.")
+            raise ValueError(f"[metal_kernel] The requested threadgroup {threadgroup} has "
+                             f"{tg_threads} threads, more than the maximum of {opt.max_threads} "
+                             "per threadgroup.")
         if min(threadgroup) < 1 or min(grid) < 0:
             raise ValueError(f"[metal_kernel] Invalid grid {grid} or threadgroup {threadgroup}.")
 
@@ -105,30 +108,34 @@ class SimKernel:
         cpp, params = rewrite.cpp_file(metal, kname, lmap.name)
         lib, self.last_cpp = build.compile_kernel(cpp, cxx=opt.cxx, opt=opt.opt, remap=lmap.remap)
 
-        ins = runner.input_bindings(spec.input_names, arrays, spec.shape_infos(), spec.ensure_row_contiguous)
+        ins = runner.input_bindings(spec.input_names, arrays, spec.shape_infos(),
+                                    spec.ensure_row_contiguous)
         nbufs = len(ins) + len(output_dtypes)
         if nbufs > opt.max_buffers:
-            raise ValueError(f"[metal_kernel] The kernel binds {nbufs} buffers; Metal allows at most "
-                             f"{opt.max_buffers} (shape/strides/ndim buffers count).")
+            raise ValueError(f"[metal_kernel] The kernel binds {nbufs} buffers; Metal allows at "
+                             f"most {opt.max_buffers} (shape/strides/ndim buffers count).")
         if lib.msim_nbufs() != nbufs:
-            raise KernelRuntimeError(f"metal_sim: the generated signature declares {lib.msim_nbufs()} buffers "
-                                     f"but {nbufs} are bound")
+            raise KernelRuntimeError(f"metal_sim: the generated signature declares "
+                                     f"{lib.msim_nbufs()} buffers but {nbufs} are bound")
 
         def outputs(fill_byte=0xFF if opt.poison else 0x00):
-            return lambda: [runner.Binding(runner.output_buffer(s, d, init_value, fill_byte), f"output '{n}'")
+            return lambda: [runner.Binding(runner.output_buffer(s, d, init_value, fill_byte),
+                                           f"output '{n}'")
                             for n, s, d in zip(spec.output_names, output_shapes, output_dtypes)]
 
-        cfg = runner.LaunchConfig(grid, threadgroup, opt.schedule, opt.workers or min(os.cpu_count() or 1, 8),
-                                  opt.seed, self._needs_fibers, opt.poison, opt.strict, opt.stack_kib,
+        workers = opt.workers or min(os.cpu_count() or 1, 8)
+        cfg = runner.LaunchConfig(grid, threadgroup, opt.schedule, workers, opt.seed,
+                                  self._needs_fibers, opt.poison, opt.strict, opt.stack_kib,
                                   opt.tg_mem_limit)
         outs, stats = runner.launch(lib, ins, outputs(), cfg, lmap.remap)
         cfg.fibers = stats["fibers"]
 
         if opt.check_coverage and init_value is None:
-            other, _ = runner.launch(lib, ins, outputs(0x00 if opt.poison else 0xFF), cfg, lmap.remap)
+            other, _ = runner.launch(lib, ins, outputs(0x00 if opt.poison else 0xFF), cfg,
+                                     lmap.remap)
             self._compare(outs, other, output_dtypes,
-                          "{n} element(s) of output '{o}' were never written (or were read before being "
-                          "written); first at flat index {i}")
+                          "{n} element(s) of output '{o}' were never written (or were read before "
+                          "being written); first at flat index {i}")
         if opt.check_races:
             for sched, shuffle_groups in (("reverse", False), ("shuffle", True)):
                 c = replace(cfg, schedule=sched, shuffle_groups=shuffle_groups,
@@ -138,17 +145,20 @@ class SimKernel:
                               "race: output '{o}' differs between the forward and " + sched +
                               " schedules at {n} element(s); first at flat index {i}")
         self.last_stats = stats
-        return [runner.to_mx(b.buffer.payload(), s, d) for b, s, d in zip(outs, output_shapes, output_dtypes)]
+        return [runner.to_mx(b.buffer.payload(), s, d)
+                for b, s, d in zip(outs, output_shapes, output_dtypes)]
 
     def _compare(self, a, b, dtypes, message):
         for name, x, y, d in zip(self.spec.output_names, a, b, dtypes):
-            n, i = runner.first_difference(x.buffer.payload(), y.buffer.payload(), runner.np_dtype(d).itemsize)
+            n, i = runner.first_difference(x.buffer.payload(), y.buffer.payload(),
+                                           runner.np_dtype(d).itemsize)
             if n:
                 raise KernelRuntimeError("metal_sim: " + message.format(n=n, o=name, i=i))
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None, *, options: SimOptions | None = None) -> SimKernel:
+                 atomic_outputs=False, compile_options=None, *,
+                 options: SimOptions | None = None) -> SimKernel:
     """Same signature and checks as ``mx.fast.metal_kernel``; ``options`` is simulator-only."""
     if not output_names:
         raise ValueError("[metal_kernel] Must specify at least one output.")
@@ -156,7 +166,8 @@ def metal_kernel(name, input_names, output_names, source, header="", ensure_row_
         if k != "math_mode":
             raise ValueError(f"[metal_kernel] Unknown compile option `{k}`.")
         if v not in ("safe", "relaxed", "fast"):
-            raise ValueError("[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+            raise ValueError(
+                "[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
     spec = generator.KernelSpec(name, tuple(input_names), tuple(output_names), source, header,
                                 bool(ensure_row_contiguous), bool(atomic_outputs))
     return SimKernel(spec, options or _DEFAULT)

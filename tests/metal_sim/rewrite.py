@@ -14,9 +14,11 @@ from .generator import ATTRIBUTE_TYPES
 
 KERNEL_FILE = "kernel.metal"
 
-_COMMENT_OR_LITERAL = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
+_COMMENT_OR_LITERAL = re.compile(
+    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
 _INSTANTIATION = re.compile(
-    r'^template \[\[host_name\("[^"]*"\)\]\] \[\[kernel\]\] decltype\((?P<call>[^\n]*)\) (?P=call);$', re.M)
+    r'^template \[\[host_name\("[^"]*"\)\]\] \[\[kernel\]\] '
+    r'decltype\((?P<call>[^\n]*)\) (?P=call);$', re.M)
 _TYPE_ATOM = r"[A-Za-z_][\w:]*(?:\s*<[^;{}()<>]*>)?"
 _TG_DECL = re.compile(
     r"(?P<lead>(?:^|[;{}])[ \t]*)threadgroup\s+(?P<type>" + _TYPE_ATOM + r"(?:\s+" + _TYPE_ATOM +
@@ -78,16 +80,18 @@ def rewrite(metal: str, where) -> Rewritten:
         if "*" not in rest and "&" not in rest:
             raise MetalCompileError(
                 f"{where(_line_of(text, w.start()))}: unsupported threadgroup declaration "
-                f"'threadgroup{rest.strip() and ' ' + rest.strip()}' (one declarator per statement, "
-                "no initialiser: `threadgroup T name[N];`)")
+                f"'threadgroup{rest.strip() and ' ' + rest.strip()}' "
+                "(one declarator per statement, no initialiser: `threadgroup T name[N];`)")
 
     m = _DOUBLE.search(text)
     if m:
-        raise MetalCompileError(f"{where(_line_of(text, m.start()))}: 'double' is not supported on Apple GPUs")
+        raise MetalCompileError(f"{where(_line_of(text, m.start()))}: 'double' is not supported "
+                                "on Apple GPUs")
 
     text = _HALF_LITERAL.sub(r"half(\1)", text)
     text = _SWIZZLE.sub(
-        lambda m: ".template swz<" + ", ".join(str(_SWZ_INDEX[c]) for c in m.group(1)) + ">()", text)
+        lambda m: ".template swz<" + ", ".join(str(_SWZ_INDEX[c]) for c in m.group(1)) + ">()",
+        text)
 
     def attr_repl(m):
         a = m.group(1)
@@ -96,7 +100,8 @@ def rewrite(metal: str, where) -> Rewritten:
             return ""
         if a.split("(")[0].strip() in _STD_ATTRIBUTES or a.startswith("gnu::"):
             return m.group(0)
-        raise MetalCompileError(f"{where(_line_of(text, m.start()))}: unsupported MSL attribute [[{a}]]")
+        raise MetalCompileError(f"{where(_line_of(text, m.start()))}: unsupported MSL attribute "
+                                f"[[{a}]]")
 
     text = _ATTRIBUTE.sub(attr_repl, text)
     return Rewritten(text, call)
@@ -157,7 +162,8 @@ def launcher(params: list[Param], call: str) -> str:
         "const msim::LaunchParams* p, msim::LaunchResult* r) {\n"
         "  return msim_launch(&msim_body, b, p, r);\n"
         "}\n"
-        f'extern "C" __attribute__((visibility("default"))) int msim_nbufs(void) {{ return {nbufs}; }}\n')
+        'extern "C" __attribute__((visibility("default"))) '
+        f'int msim_nbufs(void) {{ return {nbufs}; }}\n')
 
 
 def cpp_file(metal: str, kname: str, where) -> tuple[str, list[Param]]:

@@ -13,15 +13,17 @@ from .errors import KernelRuntimeError
 
 GUARD = 64  # bytes of guard band on each side of every buffer
 GUARD_BYTE = 0xA5
-STATS = ("groups", "fiber_switches", "partial_simd_ops", "barriers_after_exit", "inactive_lane_reads",
-         "tg_bytes_max", "barriers", "simd_ops")
+STATS = ("groups", "fiber_switches", "partial_simd_ops", "barriers_after_exit",
+         "inactive_lane_reads", "tg_bytes_max", "barriers", "simd_ops")
 SCHEDULES = {"forward": 0, "reverse": 1, "shuffle": 2}
 
 
 class LaunchParams(ctypes.Structure):
-    _fields_ = [("grid", ctypes.c_int64 * 3), ("tg", ctypes.c_int64 * 3), ("schedule", ctypes.c_int32),
-                ("workers", ctypes.c_int32), ("seed", ctypes.c_uint64), ("fibers", ctypes.c_int32),
-                ("poison", ctypes.c_int32), ("strict", ctypes.c_int32), ("stack_kib", ctypes.c_int32),
+    _fields_ = [("grid", ctypes.c_int64 * 3), ("tg", ctypes.c_int64 * 3),
+                ("schedule", ctypes.c_int32), ("workers", ctypes.c_int32),
+                ("seed", ctypes.c_uint64), ("fibers", ctypes.c_int32),
+                ("poison", ctypes.c_int32), ("strict", ctypes.c_int32),
+                ("stack_kib", ctypes.c_int32),
                 ("tg_mem_limit", ctypes.c_int64), ("shuffle_groups", ctypes.c_int32),
                 ("reserved", ctypes.c_int32)]
 
@@ -32,7 +34,8 @@ class LaunchResult(ctypes.Structure):
 
 _NP_DTYPES = {
     mx.bool_: np.bool_, mx.uint8: np.uint8, mx.uint16: np.uint16, mx.uint32: np.uint32,
-    mx.uint64: np.uint64, mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: np.int64,
+    mx.uint64: np.uint64, mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32,
+    mx.int64: np.int64,
     mx.float16: np.float16, mx.bfloat16: np.uint16, mx.float32: np.float32,
 }
 
@@ -173,7 +176,8 @@ class LaunchConfig:
     shuffle_groups: bool = False
 
 
-def launch(lib, inputs: list[Binding], make_outputs, cfg: LaunchConfig, remap) -> tuple[list[Buffer], dict]:
+def launch(lib, inputs: list[Binding], make_outputs, cfg: LaunchConfig,
+           remap) -> tuple[list[Buffer], dict]:
     """One run over fresh output buffers (``make_outputs()``); returns (outputs, stats)."""
     fibers = cfg.fibers
     while True:
@@ -181,8 +185,9 @@ def launch(lib, inputs: list[Binding], make_outputs, cfg: LaunchConfig, remap) -
         bindings = inputs + outputs
         ptrs = (ctypes.c_void_p * max(1, len(bindings)))(*[b.buffer.ptr for b in bindings])
         p = LaunchParams((ctypes.c_int64 * 3)(*cfg.grid), (ctypes.c_int64 * 3)(*cfg.threadgroup),
-                         SCHEDULES[cfg.schedule], cfg.workers, cfg.seed, int(fibers), int(cfg.poison),
-                         int(cfg.strict), cfg.stack_kib, cfg.tg_mem_limit, int(cfg.shuffle_groups), 0)
+                         SCHEDULES[cfg.schedule], cfg.workers, cfg.seed, int(fibers),
+                         int(cfg.poison), int(cfg.strict), cfg.stack_kib, cfg.tg_mem_limit,
+                         int(cfg.shuffle_groups), 0)
         r = LaunchResult()
         t0 = time.perf_counter()
         rc = lib.msim_run(ptrs, ctypes.byref(p), ctypes.byref(r))

@@ -717,13 +717,13 @@ def test_dspark_pipeline_shares():
     per stage; greedy and sampled DSpark settings are accepted."""
     from types import SimpleNamespace
 
-    from mlx_v41.distributed.pipeline import PipelineModel
+    from mlx_v41.distributed.pipeline import PipelinePlacement
     from mlx_v41.generation.speculative import Sampling, check_draft_settings
 
     def share(rank):
         link = SimpleNamespace(rank=rank, size=2)
         return load_model(golden_checkpoint("tiny"), dspark=True, vision=False,
-                          build=lambda args, **kw: PipelineModel(args, link, "10", **kw))
+                          placement=PipelinePlacement(link, "10"))
 
     first, last = share(0), share(1)
     assert "dspark" not in first and "dspark" in last and "embed_tokens" in last.model

@@ -30,7 +30,7 @@ from mlx_v41.checkpoint.load import load_model
 from mlx_v41.checkpoint.random_checkpoint import tiny_text_config
 from mlx_v41.cli.generate import main as generate_main
 from mlx_v41.convert import convert
-from mlx_v41.distributed.tensor import ShardError, TensorParallelModel, check_shardable
+from mlx_v41.distributed.tensor import ShardError, TensorParallelPlacement, check_shardable
 from test_distributed import launch, reference
 
 WIDE = dict(o_lora_rank=128, moe_intermediate_size=256)
@@ -52,7 +52,7 @@ def rank_group(link, is_pipeline: bool):
 def load_share(folder, rank: int, size: int = 2, dspark: bool = False):
     link = fake_link(rank, size)
     return load_model(folder, dspark=dspark, vision=False,
-                      build=lambda args, **kw: TensorParallelModel(args, link, **kw))
+                      placement=TensorParallelPlacement(link))
 
 
 def expected_share(name: str, value: mx.array, rank: int, size: int) -> mx.array:

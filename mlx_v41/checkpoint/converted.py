@@ -23,6 +23,7 @@ from ..model.layers import configure_quantization
 from . import slicing
 from .loader import data_start, engram_tables, no_dspark, no_vision
 from ..errors import CheckpointError
+from .placement import WHOLE, Placement
 from .safetensors_io import SafetensorsFile
 
 MANIFEST = "mlx_v41_convert.json"
@@ -58,11 +59,10 @@ def _checked_file(folder: Path, manifest: dict, name: str) -> Path:
     return path
 
 
-def _load_weights(model, folder: Path, manifest: dict) -> None:
+def _load_weights(model, folder: Path, manifest: dict, placement: Placement) -> None:
     params = dict(tree_flatten(model.parameters()))
     loaded = {}
-    shard_of = getattr(model, "shard_of", None)  # tensor parallel: this rank's share only
-    modules = dict(model.named_modules()) if shard_of else {}
+    modules = {}  # path -> module, for the tensors this process reads a share of
     # Without the drafter its files stay unread: the published load drops mtp.* likewise.
     drafter = manifest.get("dspark", []) if "dspark" in model else []
     # The vision tower is kept verbatim (published names = our parameter names, BF16).
@@ -70,12 +70,11 @@ def _load_weights(model, folder: Path, manifest: dict) -> None:
     for name in manifest["weights"] + drafter + tower:
         path = _checked_file(folder, manifest, name)
         for key, value in mx.load(str(path)).items():
-            if key not in params and getattr(model, "partial", False):
-                continue  # a pipeline stage: another rank's tensor (mx.load reads lazily)
+            if key not in params and placement.is_partial:
+                continue  # another rank's tensor (mx.load reads lazily)
             if key not in params:
                 raise CheckpointError(f"{path}: tensor {key} is not a parameter of this model")
-            if shard_of:
-                value = _share(shard_of, modules, key, value)
+            value = _share(placement, model, modules, key, value)
             expected = params[key]
             if tuple(value.shape) != tuple(expected.shape):
                 raise CheckpointError(f"{path}: tensor {key} has shape {tuple(value.shape)}, "
@@ -94,12 +93,14 @@ def _load_weights(model, folder: Path, manifest: dict) -> None:
     mx.eval(model.parameters())
 
 
-def _share(shard_of, modules: dict, key: str, value: mx.array) -> mx.array:
-    """A tensor-parallel rank's share of `value` (a copy: the whole tensor is not kept)."""
-    module_path, leaf = key.rsplit(".", 1)
-    spec = shard_of(key) or shard_of(module_path)
+def _share(placement: Placement, model, modules: dict, key: str, value: mx.array) -> mx.array:
+    """This process's share of `value` (a copy: the whole tensor is not kept), or `value`."""
+    module_path, _, leaf = key.rpartition(".")
+    spec = placement.shard(key) or placement.shard(module_path)
     if not spec:
         return value
+    if not modules:  # listed once, at the first split tensor
+        modules.update(model.named_modules())
     part = value[slicing.converted(spec, leaf, modules[module_path], key)]
     if part.dtype == mx.bfloat16:  # numpy has no bfloat16: copy the bits
         return mx.array(np.array(part.view(mx.uint16))).view(mx.bfloat16)
@@ -125,8 +126,9 @@ def _attach_tables(model, folder: Path, manifest: dict) -> None:
         table.attach(EngramRows.from_packed(files))
 
 
-def load_converted(model, folder) -> np.ndarray | None:
-    """Fill `model` from a converted folder; -> the Engram token map (None without Engram)."""
+def load_converted(model, folder, placement: Placement = WHOLE) -> np.ndarray | None:
+    """Fill `model` from a converted folder; -> the Engram token map (None without Engram).
+    `placement`: as `loader.load_weights`'s."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if "dspark" in model and not manifest.get("dspark"):
@@ -142,7 +144,7 @@ def load_converted(model, folder) -> np.ndarray | None:
         configure_quantization(model, quantization)
     except ValueError as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
-    _load_weights(model, folder, manifest)
+    _load_weights(model, folder, manifest, placement)
     _attach_tables(model, folder, manifest)
     token_map = manifest.get("engram", {}).get("token_map")
     if token_map is None:

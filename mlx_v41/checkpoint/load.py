@@ -7,10 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..model.config import ModelArgs
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 # Payload bytes hashed at each end of a published shard: other values under the same header
 # (another seed or fine-tune of one config) change them, and reading them costs nothing.
@@ -89,7 +92,8 @@ def has_vision_tower(folder) -> bool:
 
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
-               vision: Optional[bool] = None, head_dtype: str = "float32", build=None):
+               vision: Optional[bool] = None, head_dtype: str = "float32",
+               placement: Optional[Placement] = None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -116,16 +120,16 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         head_dtype: the LM head's weights: "float32" (default, the reference's fp32 head) or
             "bfloat16" (half the bytes a token reads; the logits are rounded to bf16, see
             docs/correctness.md, "Deviations from the reference").
-        build: makes the model from (args, **options) instead of `Model` (a pipeline stage,
-            `mlx_v41.distributed`; one with `partial = True` leaves the tensors of the modules
-            it dropped unread).
+        placement: which model is built and which tensors (and which share of each) it
+            reads (`checkpoint.placement`): default a `Model` reading every tensor whole; a
+            rank of a group passes its own (`mlx_v41.distributed`).
     Returns:
         The `Model`, weights loaded and evaluated.
     """
     from .converted import is_converted, load_converted
     from ..model.engram_hash import EngramHasher
     from .loader import load_weights
-    from ..model.model import Model
+    from .placement import WHOLE
 
     folder = Path(path)
     if not folder.is_dir():
@@ -134,14 +138,15 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     if dspark is None:
         dspark = has_drafter(folder)
     vision = has_vision_tower(folder) if vision is None else vision
-    model = (build or Model)(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
-                             prefill_mode=prefill_mode, ced_rollback=ced_rollback,
-                             dspark=dspark, vision=vision, head_dtype=head_dtype)
+    placement = WHOLE if placement is None else placement
+    model = placement.build(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
+                            prefill_mode=prefill_mode, ced_rollback=ced_rollback,
+                            dspark=dspark, vision=vision, head_dtype=head_dtype)
     token_map = None
     if is_converted(folder):
-        token_map = load_converted(model, folder)
+        token_map = load_converted(model, folder, placement)
     else:
-        load_weights(model, folder)
+        load_weights(model, folder, placement)
     if args.text_config.engram_layer_ids:
         if token_map is None:
             token_map = _token_map(folder, args.text_config)

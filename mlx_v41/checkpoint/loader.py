@@ -21,6 +21,7 @@ from ..model.engram import EngramRows, EngramTable
 from ..numerics.quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
 from . import slicing
 from ..errors import CheckpointError
+from .placement import WHOLE, Placement
 from .safetensors_io import SafetensorsFile
 
 # Storage kinds: "plain" (BF16/F32, cast to the parameter dtype), "fp8" (F8_E4M3 weight +
@@ -369,10 +370,12 @@ def _attach_table(shards: _Shards, table: EngramTable, base: str) -> None:
     table.attach(EngramRows.from_regions([tuple(regions)]))
 
 
-def load_weights(model, folder) -> dict:
+def load_weights(model, folder, placement: Placement = WHOLE) -> dict:
     """Fill `model` from a published-layout folder; returns {dropped tensor: reason}.
 
     Engram tables are memory-mapped (never copied into memory); everything else is loaded.
+    `placement`: which tensors, and which share of each, this process reads (every one whole
+    by default; a rank of a group passes its own).
     """
     folder = Path(folder)
     index = read_index(folder)
@@ -385,8 +388,7 @@ def load_weights(model, folder) -> dict:
     tables = engram_tables(model)
     shards = _Shards(index)
     loaded, attached = {}, set()
-    shard_of = getattr(model, "shard_of", None)  # tensor parallel: target -> Shard or None
-    if getattr(model, "partial", False):  # a pipeline stage: other ranks' tensors stay unread
+    if placement.is_partial:  # other ranks' tensors stay unread
         used = {t: e for t, e in used.items()
                 if t in params or f"{t}.weight" in params or t in tables}
     for target, entries in used.items():
@@ -398,7 +400,7 @@ def load_weights(model, folder) -> dict:
             attached.add(target)
             continue
         loaded.update(convert_target(shards, target, entries, params,
-                                     shard=shard_of(target) if shard_of else None))
+                                     shard=placement.shard(target)))
     missing = sorted(set(params) - set(loaded)) + sorted(set(tables) - attached)
     if missing:
         raise missing_error(folder, missing)

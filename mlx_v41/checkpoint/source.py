@@ -46,8 +46,8 @@ def _download(repo: str) -> Path:
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
          ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
-         vision: Optional[bool] = None, head_dtype: str = "float32", build=None):
-    """Load a model and its tokenizer (`build`: see load_model).
+         vision: Optional[bool] = None, head_dtype: str = "float32", placement=None):
+    """Load a model and its tokenizer (`placement`: see load_model).
 
     Args:
         path_or_repo: a local folder in the published layout, a Hugging Face repo id, or
@@ -73,5 +73,5 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
                        prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
-                       vision=vision, head_dtype=head_dtype, build=build)
+                       vision=vision, head_dtype=head_dtype, placement=placement)
     return model, tokenizer

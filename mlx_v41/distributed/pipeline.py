@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.layer import CacheError, CompressedKV, LayerCache
+from ..checkpoint.placement import Placement
 from ..model.model import Block, Model
 from ..model.prefill import Run, run_forward
 from .group import RankGroup
@@ -266,9 +267,8 @@ class PipelineRun(Run):
 
 class PipelineModel(Model):
     """A `Model` holding one rank's share: build with `load_pipeline` (or `load_model(...,
-    build=...)`); calls and caches as `Model`'s, run by every rank together."""
-
-    partial = True  # the loaders skip other ranks' tensors
+    placement=PipelinePlacement(link, split))`); calls and caches as `Model`'s, run by every
+    rank together."""
 
     def __init__(self, args, link: Link, split: Optional[str] = None, **options):
         # The vision tower (vision.*, aligner.*, image_*) lives on rank 0, with the embedding.
@@ -348,6 +348,19 @@ class PipelineModel(Model):
         return super().head(hidden, last_only)
 
 
+class PipelinePlacement(Placement):
+    """A pipeline rank's placement: its `PipelineModel`, which reads only the tensors of the
+    layers (and heads) it holds."""
+
+    is_partial = True
+
+    def __init__(self, link: Link, split: Optional[str] = None):
+        self.link, self.split = link, split
+
+    def build(self, args, **options):
+        return PipelineModel(args, self.link, self.split, **options)
+
+
 def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
     """This rank's `PipelineModel` from its local copy of the folder (and the tokenizer);
     vision=True loads the tower on rank 0 (None: when rank 0's folder has it)."""
@@ -355,5 +368,4 @@ def load_pipeline(path, link: Link, split: Optional[str] = None, **options):
 
     options.setdefault("dspark", False)  # True: the drafter on the last rank
     options.setdefault("vision", False)  # True (or None: if the folder has it) on rank 0
-    return load(path, build=lambda args, **kw: PipelineModel(args, link, split, **kw),
-                **options)
+    return load(path, placement=PipelinePlacement(link, split), **options)

@@ -21,6 +21,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..checkpoint.placement import Placement
 from ..checkpoint.slicing import Shard
 from ..model.layers import QuantLinear, allocate_quantized, round_act_fp8
 from ..model.model import Model
@@ -111,7 +112,7 @@ class TensorParallelModel(Model):
         self.link, self.rank = link, link.rank
         self.ranges = f"tensor parallel x{link.size}"  # what the startup handshake compares
         self.group = RankGroup(link, self.ranges, is_pipeline=False)  # what generation is given
-        self.shard_of = ShardPlan()
+        self.plan = ShardPlan()  # what this rank loads of each split tensor
         blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(self.model.layers)]
         if "dspark" in self:  # the drafter's stages are the same attention and MoE classes
             blocks += [(f"dspark.stages.{k}", stage) for k, stage in enumerate(self.dspark.stages)]
@@ -133,7 +134,7 @@ class TensorParallelModel(Model):
             raise self.link.lost(e, "computing a layer") from None
 
     def _shard_attention(self, path: str, attn) -> None:
-        cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of
+        cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.plan
         heads, groups, d = cfg.num_attention_heads // size, cfg.o_groups // size, cfg.head_dim
         lora = cfg.o_lora_rank
         _resize(attn.q_b_proj, (), heads * d, cfg.q_lora_rank)
@@ -149,7 +150,7 @@ class TensorParallelModel(Model):
         attn.heads = heads
 
     def _shard_moe(self, path: str, moe) -> None:
-        cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.shard_of
+        cfg, rank, size, plan = self.cfg, self.rank, self.link.size, self.plan
         dim, inner = cfg.hidden_size, cfg.moe_intermediate_size
         experts = moe.experts.switch_mlp.gate_proj.weight.shape[0]
         share = experts // size
@@ -168,6 +169,22 @@ class TensorParallelModel(Model):
         moe.first_expert, moe.link = rank * share, self.link
 
 
+class TensorParallelPlacement(Placement):
+    """A tensor-parallel rank's placement: its `TensorParallelModel`, which reads its share of
+    each split tensor (the model's `ShardPlan`) and the rest whole."""
+
+    def __init__(self, link: Link):
+        self.link, self.plan = link, ShardPlan()
+
+    def build(self, args, **options):
+        model = TensorParallelModel(args, self.link, **options)
+        self.plan = model.plan
+        return model
+
+    def shard(self, target: str) -> Optional[Shard]:
+        return self.plan(target)
+
+
 def load_tensor_parallel(path, link: Link, **options):
     """This rank's `TensorParallelModel` from its local copy of the folder (and the
     tokenizer): only its share of the split tensors is read."""
@@ -177,5 +194,4 @@ def load_tensor_parallel(path, link: Link, **options):
     # The vision tower (replicated weights, no split) loads on rank 0 only, which reads the
     # images and shares each forward's span rows (`prompt.SharedImagePrompt`).
     options["vision"] = options.get("vision", False) if link.rank == 0 else False
-    return load(path, build=lambda args, **kw: TensorParallelModel(args, link, **kw),
-                **options)
+    return load(path, placement=TensorParallelPlacement(link), **options)

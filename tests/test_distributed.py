@@ -55,6 +55,7 @@ def check_exact(out: Path, expected: dict) -> None:
             f"{np.abs(got[name] - value).max()}"
 
 
+@pytest.mark.slow
 def test_three_ranks_split_inside_owner_groups(tmp_path):
     """Schedule (40 layers, the published roles): ranks [0, 10) [10, 26) [26, 40). Layer 10
     reads owner 8's rows, 26/27 reuse index layer 24's top-k and owner 20's rows, Engram 1 and
@@ -65,6 +66,7 @@ def test_three_ranks_split_inside_owner_groups(tmp_path):
     check_exact(tmp_path, reference(checkpoint))
 
 
+@pytest.mark.slow
 def test_two_ranks_exact_and_memory(tmp_path):
     """Tiny (12 layers, decoder from 7), the split chosen by weight bytes; each rank holds
     only its share of the parameters, and the shares add up to the whole model."""
@@ -89,6 +91,7 @@ def test_two_ranks_exact_and_memory(tmp_path):
     assert reduced == 4
 
 
+@pytest.mark.slow
 def test_image_prompt_over_a_pipeline_equals_one_process(tmp_path, capsys):
     """The vision golden's checkpoint (small spans) split at layer 3: the tower on rank 0
     alone, Engram layer 5, the CED boundary (7) and the halo on rank 1. An image prompt's
@@ -134,6 +137,7 @@ def _same_layers(a: dict, b: dict) -> bool:
         all(np.array_equal(a[i][1][k], b[i][1][k]) for k in a[i][1]) for i in a)
 
 
+@pytest.mark.slow
 def test_generate_cli_pipeline_matches_one_process(tmp_path, capsys):
     """`mlx.launch -n 2 -- -m mlx_v41.generate --pipeline 7 --prompt-cache-file F`: rank 0
     alone prints, and the sampled text (temperature 0.8, seed 3) is the one-process text. Each
@@ -175,6 +179,7 @@ def _flip_embedding_byte(folder: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_mismatched_weights_and_load_failure_named(tmp_path):
     """Rank 1 with other weights, then rank 1 with no folder: every rank exits with one line
     naming rank 1 and the cause."""
@@ -215,6 +220,7 @@ def by_hand(tmp_path, *command) -> list:
     return procs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["auto", "tensor"])
 def test_killed_rank_ends_the_others(tmp_path, split):
     """Rank 1 kills itself during decoding; rank 0 must exit by itself, soon, with one line
@@ -231,6 +237,7 @@ def test_killed_rank_ends_the_others(tmp_path, split):
     assert time.monotonic() - tic < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["--pipeline", "--tensor-parallel"])
 def test_stuck_rank_ends_the_others(tmp_path, switch):
     """`mlx_v41.generate` on two ranks; rank 1 is stopped (alive, but it never answers again)
@@ -366,6 +373,7 @@ class Launched:
         self.proc.wait()
 
 
+@pytest.mark.slow
 def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         tmp_path, capsys, monkeypatch):
     """`mlx.launch -n 2 -- -m mlx_v41.chat --pipeline --dspark` fed on stdin: rank 0 alone
@@ -403,6 +411,7 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         chat.kill()
 
 
+@pytest.mark.slow
 def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsys,
                                                                  monkeypatch):
     """`--tensor-parallel`: the same replies as one process to an `/image` turn (the vision
@@ -423,6 +432,7 @@ def test_chat_under_tensor_parallel_equals_one_process_and_quits(tmp_path, capsy
         "error: unknown command '/bogus' (/help lists them)"]
 
 
+@pytest.mark.slow
 def test_chat_under_tensor_parallel_saves_loads_and_quits(tmp_path, capsys, monkeypatch):
     """`--tensor-parallel`: the transcript is one process's through /save and, after /reset,
     /load of the group's files (each rank its own: s.bin, s.bin.rank1-of-2). A /load that a
@@ -485,6 +495,7 @@ def _wait_for_health(server: Launched, port: int) -> None:
             time.sleep(0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_server_under_tensor_parallel_equals_one_process(tmp_path):
     """`mlx.launch -n 2 -- -m mlx_v41.server --tensor-parallel --dspark` on the vision golden's
@@ -573,6 +584,7 @@ def _logged_after(count: int, ending: str):
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_server_prompt_reuse_over_a_pipeline_equals_one_process(tmp_path):
     """`mlx.launch -n 2 -- -m mlx_v41.server --pipeline` (plain decoding, tiny checkpoint): the
@@ -678,6 +690,7 @@ def dspark_one_process() -> tuple:
     return ids.shape[1], truth, expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["10", "tensor"])
 def test_dspark_across_ranks_equals_one_process(tmp_path, split):
     """Tiny over 2 ranks. Split at 10: target layer 9's taps come from rank 0, 10 and 11's are

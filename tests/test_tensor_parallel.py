@@ -149,6 +149,7 @@ def _wide_checkpoint(folder: Path) -> Path:
     return hf
 
 
+@pytest.mark.slow
 def test_two_ranks_exact_on_tiny_close_on_wide_and_memory(tmp_path):
     """One launch: the tiny checkpoint's logits (CED, full, chunked prefill, decode) and the
     `grow` greedy tokens bit-identical to one process; the wide checkpoint's logits within
@@ -183,6 +184,7 @@ def test_two_ranks_exact_on_tiny_close_on_wide_and_memory(tmp_path):
     assert reports[0]["sent"]["decode"] == [0, cfg.num_hidden_layers * 3 * cfg.hidden_size * 4]
 
 
+@pytest.mark.slow
 def test_generate_cli_tensor_parallel_matches_one_process(tmp_path, capsys):
     """`mlx.launch -n 2 -- -m mlx_v41.generate --tensor-parallel`: rank 0 alone prints the
     one-process text (temperature 0.8, seed 3)."""
@@ -214,12 +216,14 @@ def test_converted_shares_that_do_not_fit_the_packing_are_one_line():
         slicing.converted(share, "weight", SimpleNamespace(bits=6, group_size=64), "w")
 
 
+@pytest.mark.slow
 def test_image_prompt_under_tensor_parallel_equals_one_process(tmp_path, capsys):
     """The vision golden's checkpoint (tiny's text weights: whole 32-groups per rank) over 2
     ranks: the tower on rank 0 alone, which shares the expanded ids, token types and span
-    records, and each call's span rows. Rank 1's logits of an image prompt (full prefill, chunked CED prefill
-    with chunk boundaries inside the spans, decode steps) equal one process's bit for bit,
-    and `generate --tensor-parallel --image` prints the one-process text."""
+    records, and each call's span rows. Rank 1's logits of an image prompt (full prefill,
+    chunked CED prefill with chunk boundaries inside the spans, decode steps) equal one
+    process's bit for bit, and `generate --tensor-parallel --image` prints the one-process
+    text."""
     from distributed_worker import generate_args, image_scenario
     from vision_fixtures import SMALL_MIN_PIXELS, TWIN_SPAN, twin_images, vision_checkpoint
 

@@ -113,6 +113,7 @@ def main(argv: Optional[list] = None) -> int:
     import uvicorn
 
     from ..distributed.link import DistributedError
+    from ..server.ranks import Follower
 
     try:
         app = build_app(args)
@@ -120,7 +121,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"mlx_v41.server: error: {e}", file=sys.stderr)
         return 1
     engine = app.state.engine
-    if getattr(engine, "follow", None):  # a rank other than 0 of a group: no HTTP
+    if isinstance(engine, Follower):  # a rank other than 0 of a group: no HTTP
         if args.log_level != "DEBUG":  # rank 0 logs requests; DEBUG: every rank does
             logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)
         return follow(engine)

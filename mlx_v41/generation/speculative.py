@@ -105,7 +105,7 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
                          f"{logits.shape[0]} (run each sequence with its own cache)")
     if drafter is None:
         _require_drafter(model)
-    if drafter is None and "dspark" in model:  # else the drafts come from `group`
+    if drafter is None and "dspark" in model:  # a process without it takes the group's drafts
         drafter = model.dspark
     stats = stats if stats is not None else DraftStats()
     limit = model.cfg.max_position_embeddings
@@ -240,8 +240,8 @@ def _accept(sampling: Sampling, targets: mx.array, drafts: list, q,
 
 def _agree_on_outcome(group: ProcessGroup, accepted: list, following: int,
                       drafts: list) -> tuple:
-    """The acceptance every process trims by: the one's holding the verify logits, as
-    (accepted count, next token)."""
+    """The acceptance every process trims by: that of the process holding the verify logits,
+    as (accepted count, next token)."""
     n, token = group.agree_on_ints([len(accepted), following], 2)
     return drafts[:n], token
 

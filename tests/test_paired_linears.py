@@ -1,14 +1,15 @@
-"""`paired_matmul`: two quantized linears that read the same input (attention `kv_proj` +
-`q_a_proj`, the shared expert's `gate_proj` + `up_proj`) as ONE quantized matmul over their
-weights concatenated along the output axis, two launches fewer per layer on every path.
+"""Paired projections (model/paired.py): two quantized linears that read the same input
+(attention `kv_proj` + `q_a_proj`, the shared expert's `gate_proj` + `up_proj`) as ONE quantized
+matmul over their weights concatenated along the output axis, two launches fewer per layer on
+every path, paired once when the weights are loaded.
 
 It is taken only because it is bit-identical: checked here against the two matmuls for every
 mode and layout the converter writes (mxfp8 / mxfp4 / nvfp4 and affine at 2-8 bits and
 groups 32-128), at odd widths and row counts, and for the whole model (prefill and decode
 logits and caches equal to the model with pairing off). Also: the parameters keep their names
 and shapes (the concatenated arrays live outside the module tree and the linears hold views
-of them), and a parameter replaced after a forward is used by the next one (never the stale
-concatenation)."""
+of them), and weights replaced through `Model.update` / `load_weights` are paired again (never
+the stale concatenation)."""
 
 import threading
 
@@ -17,8 +18,9 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_v41.model import layers
-from mlx_v41.model.layers import QuantLinear, allocate_quantized, can_pair, paired_matmul
+from mlx_v41.model import paired
+from mlx_v41.model.layers import QuantLinear
+from mlx_v41.model.paired import Pair, can_pair, pair_projections, paired_matmul
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
@@ -41,6 +43,22 @@ def linear(output_dims: int, mode: str = "mxfp8", bits: int = 8, group_size: int
     return module
 
 
+class Holder(nn.Module):
+    """A module naming its pair, as Attention and SharedExpert do."""
+
+    paired = ("a", "b")
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.a, self.b = first, second
+
+
+def paired_up(first, second):
+    """The two, paired as the loader pairs them (`pair_projections`)."""
+    pair_projections(Holder(first, second))
+    return first, second
+
+
 def separate(first, second, x):
     """The two matmuls as the model ran them before pairing (from the modules' own arrays)."""
     return first.matmul(x), second.matmul(x)
@@ -56,48 +74,41 @@ def assert_same_bits(got, want):
 def test_one_matmul_gives_the_two_matmuls_bits(mode, bits, group_size):
     first, second = linear(96, mode, bits, group_size), linear(160, mode, bits, group_size, seed=1)
     key = mx.random.key(2)
+    wants = []
     for lead in [(1, 1), (1, 7), (3,), (2, 33)]:  # decode, prefill chunks, a batch
         x = mx.random.normal((*lead, INPUT_WIDTH), key=key)  # fp32, as `prepare` makes it
         x = x * mx.power(2.0, mx.random.randint(-30, 30, (*lead, 1), key=key).astype(x.dtype))
-        want = separate(first, second, x)
+        wants.append((x, separate(first, second, x)))
+    paired_up(first, second)
+    assert isinstance(first.pair, Pair)  # really one matmul
+    for x, want in wants:
         assert_same_bits(paired_matmul(first, second, x), want)
-        assert first._fused_pair.is_current(first, second)  # really fused
         assert_same_bits(separate(first, second, x), want)  # the views give the same too
 
 
 def test_parameters_keep_names_shapes_and_values():
     first, second = linear(64, "affine", 4, 64), linear(96, "affine", 4, 64, seed=1)
-    pair = nn.Module()
-    pair.a, pair.b = first, second
-    before = dict(tree_flatten(pair.parameters()))
-    paired_matmul(first, second, mx.ones((2, INPUT_WIDTH)))
-    after = dict(tree_flatten(pair.parameters()))
+    holder = Holder(first, second)
+    before = dict(tree_flatten(holder.parameters()))
+    assert pair_projections(holder) == 1
+    after = dict(tree_flatten(holder.parameters()))
     assert sorted(after) == sorted(before) == sorted(
         f"{m}.{n}" for m in "ab" for n in ("weight", "scales", "biases"))
     for k, v in before.items():
         assert after[k].shape == v.shape and after[k].dtype == v.dtype
         assert mx.array_equal(after[k], v).item()
         assert after[k] is not v  # a view of the concatenated array, not a second copy
-    assert "_fused_pair" not in first  # a plain attribute, not a child in the module tree
+    assert "pair" not in first  # a plain attribute, not a child in the module tree
 
 
-def test_a_replaced_parameter_is_used_by_the_next_call():
-    first, second = linear(64), linear(32, seed=1)
+def test_pairing_again_reads_the_new_weights():
+    """Weights replaced after pairing (what `Model.update` does): pairing again takes them."""
+    first, second = paired_up(linear(64), linear(32, seed=1))
     x = mx.random.normal((1, 5, INPUT_WIDTH), key=mx.random.key(3))
-    paired_matmul(first, second, x)
     new = linear(64, seed=7)
-    first.update({"weight": new.weight, "scales": new.scales})  # as `model.update` does
+    first.update({"weight": new.weight, "scales": new.scales})
+    paired_up(first, second)
     assert_same_bits(paired_matmul(first, second, x), (new.matmul(x), second.matmul(x)))
-    other = linear(32, seed=8)
-    second.load_weights([("weight", other.weight), ("scales", other.scales)])
-    assert_same_bits(paired_matmul(first, second, x), (new.matmul(x), other.matmul(x)))
-    # re-laid out (a converter's requantization, a tensor-parallel `_resize`) and loaded
-    for module, seed in ((first, 9), (second, 10)):
-        allocate_quantized(module, (), 64, INPUT_WIDTH, "affine", 8, 32)
-        module.update(dict(zip(("weight", "scales", "biases"), mx.quantize(
-            mx.random.normal((64, INPUT_WIDTH), key=mx.random.key(seed)), 32, 8))))
-    assert_same_bits(paired_matmul(first, second, x), separate(first, second, x))
-    assert first._fused_pair.is_current(first, second)
 
 
 def test_unlike_linears_run_apart():
@@ -119,8 +130,10 @@ def test_unlike_linears_run_apart():
     for other in cases:
         assert not can_pair(base, other) and not can_pair(other, base)
     for other in (cases[0], cases[-1]):  # apart, each as its own matmul
-        assert_same_bits(paired_matmul(base, other, x), separate(base, other, x))
-    assert getattr(base, "_fused_pair", None) is None
+        want = separate(base, other, x)
+        paired_up(base, other)
+        assert base.pair is None
+        assert_same_bits(paired_matmul(base, other, x), want)
 
 
 def test_second_reading_fewer_rows_runs_apart():
@@ -128,46 +141,47 @@ def test_second_reading_fewer_rows_runs_apart():
     first, second = linear(64), linear(32, seed=1)
     x = mx.random.normal((1, 6, INPUT_WIDTH), key=mx.random.key(5))
     want = (first.matmul(x), second.matmul(x[:, 4:]))
+    paired_up(first, second)
     assert_same_bits(paired_matmul(first, second, x, 2), want)
-    assert getattr(first, "_fused_pair", None) is None  # made only where a forward uses it
     assert paired_matmul(first, second, x, 0)[1].shape == (1, 0, 32)
 
 
 def test_a_pair_made_on_one_thread_serves_another():
-    """The server runs forwards on a worker thread: a paired call here, then on the worker a
-    call whose second linear reads fewer rows (two matmuls over the linears' views). MLX
-    refuses to evaluate an array made on another thread's stream ('There is no Stream(cpu, 0)
-    in current thread'), so the pair's arrays and views are evaluated when it is made."""
+    """The server runs forwards on a worker thread: pairs made at load on the main thread,
+    then on the worker a paired call and one whose second linear reads fewer rows (two
+    matmuls over the linears' views). MLX refuses to evaluate an array made on another
+    thread's stream ('There is no Stream(cpu, 0) in current thread'), so the pair's arrays
+    and views are evaluated when it is made."""
     first, second = linear(64), linear(32, seed=1)
     x = mx.random.normal((1, 6, INPUT_WIDTH), key=mx.random.key(5))
     mx.eval(x, first.parameters(), second.parameters())
-    want = (first.matmul(x), second.matmul(x[:, 4:]))
-    mx.eval(want, *paired_matmul(first, second, x))
+    wants = {rows: (first.matmul(x), second.matmul(x[:, 6 - rows:])) for rows in (6, 2)}
+    mx.eval(wants)
+    paired_up(first, second)
     results = []
 
     def on_worker():
         try:
-            got = paired_matmul(first, second, x, 2)
-            results.append(all(mx.array_equal(g, w).item() for g, w in zip(got, want)))
+            for rows, want in wants.items():
+                got = paired_matmul(first, second, x, rows)
+                results.append(all(mx.array_equal(g, w).item() for g, w in zip(got, want)))
         except RuntimeError as error:
             results.append(error)
 
     worker = threading.Thread(target=on_worker)
     worker.start()
     worker.join()
-    assert results == [True]
+    assert results == [True, True]
 
 
-def test_first_met_inside_compile_tracing():
-    """A pair first met while `mx.compile` traces: the weights are constants there, so the
-    pair is made and evaluated from them, and the products are the two matmuls' bits inside
-    the compiled function and after it."""
+def test_inside_compile_tracing():
+    """A paired call traced by `mx.compile`: the two matmuls' bits inside and after it."""
     first, second = linear(64), linear(32, seed=1)
     x = mx.random.normal((1, 3, INPUT_WIDTH), key=mx.random.key(6))
     want = (first.matmul(x), second.matmul(x))
+    paired_up(first, second)
     assert_same_bits(mx.compile(lambda v: paired_matmul(first, second, v))(x), want)
     assert_same_bits(paired_matmul(first, second, x), want)
-    assert first._fused_pair.is_current(first, second)
 
 
 def test_rows_are_required():
@@ -176,7 +190,7 @@ def test_rows_are_required():
 
 
 def test_metal_kernel_classes():
-    same = layers._same_metal_kernel
+    same = paired._same_metal_kernel
     assert same(5120, (512, 1280)) and same(5120, (2304, 2304))  # the published widths
     assert same(5120, (288, 288)) and same(128, (64, 64))  # 8-rank shared expert; tiny
     assert not same(1024, (2048, 64))  # the sum crosses Metal's 2048 qmv class
@@ -200,19 +214,22 @@ def _run(model, ids):
 
 
 def test_model_bits_equal_unpaired(tiny, goldens, monkeypatch):
-    """Logits and caches equal with pairing off. (A difference below a product's bf16
-    rounding could pass here: the bit-level checks are the ones above.)"""
+    """The loaded model is paired (every layer's two pairs); its logits and caches equal the
+    model with pairing off. (A difference below a product's bf16 rounding could pass here:
+    the bit-level checks are the ones above.)"""
     ids = goldens("tiny").prompt[None, :12].astype(mx.int32)
     names = {k: v.shape for k, v in tree_flatten(tiny.parameters())}
-    paired = _run(tiny, ids)
+    stages = len(tiny.dspark.stages) if "dspark" in tiny else 0  # their shared experts
+    assert tiny.pairs == 2 * len(tiny.model.layers) + stages
     for layer in tiny.model.layers:
-        attn, shared = layer.self_attn, layer.mlp.shared_experts
-        assert attn.kv_proj._fused_pair.is_current(attn.kv_proj, attn.q_a_proj)
-        assert shared.gate_proj._fused_pair.is_current(shared.gate_proj, shared.up_proj)
+        assert isinstance(layer.self_attn.kv_proj.pair, Pair)
+        assert isinstance(layer.mlp.shared_experts.gate_proj.pair, Pair)
+    with_pairs = _run(tiny, ids)
     assert {k: v.shape for k, v in tree_flatten(tiny.parameters())} == names
-    monkeypatch.setattr(layers, "can_pair", lambda first, second: False)
+    monkeypatch.setattr(paired, "can_pair", lambda first, second: False)
+    assert tiny.pair_projections() == 0
     apart = _run(tiny, ids)
-    for a, b in zip(paired, apart):
+    for a, b in zip(with_pairs, apart):
         assert mx.array_equal(a, b).item()
 
 

@@ -152,4 +152,5 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             token_map = _token_map(folder, args.text_config)
         model.engram_hasher = EngramHasher.from_config(args.text_config, token_map)
     model.weights_fingerprint = weights_fingerprint(folder)
+    model.pair_projections()  # the projections that read one input: one matmul each
     return model

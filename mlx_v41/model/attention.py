@@ -18,7 +18,8 @@ from .shared import ForwardState
 from .indexer import Indexer
 from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
-from .layers import (QuantLinear, RMSNorm, allocate_quantized, batch_rows, paired_matmul)
+from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
+from .paired import paired_matmul
 from ..kernels.norm import norm
 from ..kernels.rope_products import rope_products
 from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
@@ -66,6 +67,8 @@ def add_projections(module: nn.Module, cfg: TextConfig) -> None:
 
 
 class Attention(nn.Module):
+    paired = ("kv_proj", "q_a_proj")  # one matmul over both weights (paired.py)
+
     def __init__(self, cfg: TextConfig, role: LayerRole):
         super().__init__()
         d, h, eps = cfg.head_dim, cfg.num_attention_heads, cfg.rms_norm_eps
@@ -95,7 +98,7 @@ class Attention(nn.Module):
         batch, n_in, _ = x.shape
         n_out = n_in if n_out is None else n_out
         xq = self.kv_proj.prepare(x) if prepared is None else prepared  # q_a's input too
-        # one matmul for both where q_a reads every row, the same bits (layers.paired_matmul)
+        # one matmul for both where q_a reads every row, the same bits (paired.py)
         kv_products, qr = paired_matmul(self.kv_proj, self.q_a_proj, xq, n_out)
         # kv_norm -> RoPE -> act_fp8 (bf16): the window KV (one launch where fused)
         kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,

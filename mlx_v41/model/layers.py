@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,6 +59,8 @@ def round_act_fp8(x: mx.array, dtype=None, is_products: bool = False) -> mx.arra
 class QuantLinear(nn.Module):
     """y = x W^T over a packed weight; `quantize_input` applies the reference's act_fp8."""
 
+    pair = None  # paired.Pair: this linear and the next one as one matmul (made at load)
+
     def __init__(self, input_dims: int, output_dims: int, mode: str = "mxfp8", bits: int = 8,
                  group_size: int = 32, quantize_input: bool = True):
         super().__init__()
@@ -88,122 +89,6 @@ class QuantLinear(nn.Module):
         return mx.quantized_matmul(
             x, self.weight, self.scales, self.get("biases"), transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode)
-
-
-# ---------------------------------------------------------------- paired linears
-
-PACKED = ("weight", "scales", "biases")  # a packed linear's arrays, all split by output row
-METAL_TILE = 32  # output widths in whole tiles: MLX's aligned qmm_t and fast qmv on Metal
-# Metal's qmv -> qmm row limit changes at these input / output widths (mlx metal/quantized.cpp)
-METAL_QMV_CLASSES = (2048, 4096)
-
-
-def paired_matmul(first: QuantLinear, second: QuantLinear, x: mx.array,
-                  second_rows: Optional[int] = None):
-    """(first.matmul(x), second.matmul(the last `second_rows` rows of x)) for x [..., S, K]
-    (`second_rows`: all S by default). Where the two pair (`can_pair`) and both read every
-    row, ONE quantized matmul over the two weights concatenated along the output axis, one
-    launch less: each output element is the same dot product over the same packed row, so
-    the same bits as the two matmuls (every layout, on MLX's CPU backend: tests/
-    test_paired_linears.py; on Metal by `_same_metal_kernel`). The products are views of the
-    one result (contiguous at one row; a Metal kernel reading a part of several rows copies it).
-
-    The concatenated arrays are made and evaluated at the pair's first call (once per pair)
-    and the linears' own parameters become views of them: the bytes are not doubled and
-    `parameters()` keeps its names and shapes. Evaluated there, not left lazy: a later
-    forward may run on another thread (the server's worker), and MLX refuses to evaluate an
-    array made on another thread's stream. Inside `mx.compile` tracing, where nothing can be
-    evaluated, the two run apart. A parameter replaced later (`load_weights`,
-    `update`, sharding, requantizing) is noticed by identity and the arrays are made again
-    from the new ones, so stale weights are never read."""
-    if x.ndim < 2:
-        raise ValueError(f"paired_matmul takes rows [..., S, K], got shape {x.shape}")
-    rows = x.shape[-2]
-    second_rows = rows if second_rows is None else second_rows
-    # Apart where q reads fewer rows: over other rows Metal may pick another kernel.
-    pair = None if second_rows != rows else _current_pair(first, second)
-    if pair is None:
-        return first.matmul(x), second.matmul(x[..., rows - second_rows:, :])
-    out = mx.quantized_matmul(x, *pair.packed, transpose=True, group_size=first.group_size,
-                              bits=first.bits, mode=first.mode)
-    return out[..., :pair.split], out[..., pair.split:]
-
-
-def can_pair(first: QuantLinear, second: QuantLinear) -> bool:
-    """Whether one matmul over both weights gives each one's bits: plain `QuantLinear.matmul`
-    (a subclass may reduce or reshape its products), one layout (mode, bits, group size, input
-    rounding, arrays and dtypes, input width), 2-D weights, and output widths for which
-    MLX's Metal backend picks the same kernel as for their sum (`_same_metal_kernel`)."""
-    modules = (first, second)
-    if any(type(m).matmul is not QuantLinear.matmul for m in modules):
-        return False
-    layout = [(m.mode, m.bits, m.group_size, m.quantize_input,
-               tuple((n, m[n].dtype, m[n].ndim, m[n].shape[-1]) for n in PACKED if n in m))
-              for m in modules]
-    if layout[0] != layout[1] or first.weight.ndim != 2:
-        return False
-    widths = (first.weight.shape[0], second.weight.shape[0])
-    return _same_metal_kernel(input_dims(first), widths)
-
-
-def _same_metal_kernel(input_width: int, widths: tuple) -> bool:
-    """MLX's Metal quantized matmul chooses its kernel from the rows, the input width and the
-    output width: whole tiles (`METAL_TILE`) and one qmv row-limit class for each width and
-    their sum keep the choice, at every row count, the same for the fused matmul as for the
-    two apart (so the bits on the GPU too)."""
-    def qmv_class(width: int) -> int:
-        return sum(max(input_width, width) > limit for limit in METAL_QMV_CLASSES)
-
-    total = sum(widths)
-    return (all(w % METAL_TILE == 0 for w in widths)
-            and len({qmv_class(w) for w in (*widths, total)}) == 1)
-
-
-class _FusedPair:
-    """Two linears' packed arrays concatenated along the output axis, and the views of them
-    that the two linears hold instead of their own arrays."""
-
-    def __init__(self, first: QuantLinear, second: QuantLinear):
-        names = [n for n in PACKED if n in first]
-        self.split = first.weight.shape[0]
-        self.second = second
-        arrays = {n: mx.concatenate([first[n], second[n]]) for n in names}
-        self.packed = (arrays["weight"], arrays["scales"], arrays.get("biases"))
-        self.views = tuple({n: a[:self.split] for n, a in arrays.items()} if i == 0 else
-                           {n: a[self.split:] for n, a in arrays.items()} for i in range(2))
-        mx.eval(arrays, self.views)  # before the linears take the views (see paired_matmul)
-        self.absent = tuple(n for n in PACKED if n not in arrays)
-        for module, views in zip((first, second), self.views):
-            for name, view in views.items():
-                module[name] = view
-
-    def is_current(self, first: QuantLinear, second: QuantLinear) -> bool:
-        """The two still hold exactly the views made here (no parameter replaced or added
-        since). Plain dict lookups: it runs at every call."""
-        return self.second is second and all(
-            all(module.get(n) is view for n, view in views.items())
-            and not any(n in module for n in self.absent)
-            for module, views in zip((first, second), self.views))
-
-
-def _current_pair(first: QuantLinear, second: QuantLinear) -> Optional[_FusedPair]:
-    """The pair's concatenated arrays (`_FusedPair`), made again when either linear changed,
-    or None where the two do not pair. Kept in a plain attribute of `first` (not an array,
-    dict or list): outside the module tree, so `parameters()`, `update` and saving never see
-    them."""
-    pair = getattr(first, "_fused_pair", None)
-    if pair is not None and pair.is_current(first, second):
-        return pair
-    if not can_pair(first, second):
-        return None
-    try:
-        pair = _FusedPair(first, second)
-    except ValueError as error:  # inside mx.compile / vmap tracing: nothing can be evaluated
-        if "function transformations" not in str(error):
-            raise
-        return None
-    first._fused_pair = pair
-    return pair
 
 
 @functools.lru_cache(maxsize=64)

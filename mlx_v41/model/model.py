@@ -26,6 +26,7 @@ from .engram_hash import EngramHasher
 from .layers import HEAD_DTYPES, RMSNorm, head_logits
 from .mhc import HyperConnection
 from .moe import MoE
+from .paired import pair_projections
 from .prefill import PREFILL_MODES, ModelOutput, run_forward
 from .schedule import decoder_start, layer_roles
 from .shared import BlockInputs, ForwardState
@@ -213,9 +214,24 @@ class Model(nn.Module):
         self.compat_reference_index_k_bug = compat_reference_index_k_bug
         self.prefill_mode = _usable_mode(cfg, prefill_mode, self.model.decoder_start)
         self.engram_hasher: Optional[EngramHasher] = None
+        self.pairs = 0  # paired projections (`pair_projections`)
         self.kernels = Kernels()  # Metal kernels when available; tests inject the simulator's
         ones = [s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 1]
         self.compat_source = max(ones) if ones and compat_reference_index_k_bug else None
+
+    def pair_projections(self) -> int:
+        """Make the projections that read one input one matmul each (`paired.py`; the same
+        bits). The loader calls it once the weights are in; returns how many pairs."""
+        self.pairs = pair_projections(self)
+        return self.pairs
+
+    def update(self, parameters: dict, strict: bool = True) -> "Model":
+        """`nn.Module.update` (and so `load_weights`); once paired, the pairs are made again
+        from the new arrays, so a replaced weight is never read stale."""
+        super().update(parameters, strict=strict)
+        if self.pairs:
+            self.pair_projections()
+        return self
 
     @property
     def roles(self):

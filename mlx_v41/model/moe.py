@@ -20,8 +20,8 @@ import mlx.nn as nn
 from ..numerics.mhc import along, chain_sum
 from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
 from ..kernels.swiglu import swiglu, swiglu_act_fp8
-from .layers import (QuantLinear, allocate_quantized, batch_rows, paired_matmul,
-                     round_act_fp8)
+from .layers import QuantLinear, allocate_quantized, batch_rows, round_act_fp8
+from .paired import paired_matmul
 
 SORT_THRESHOLD = 64  # below this many (token, expert) pairs, gathering unsorted is cheaper
 
@@ -119,6 +119,8 @@ class SwitchMLP(nn.Module):
 
 
 class SharedExpert(nn.Module):
+    paired = ("gate_proj", "up_proj")  # one matmul over both weights (paired.py)
+
     def __init__(self, hidden, inter, limit):
         super().__init__()
         self.gate_proj = QuantLinear(hidden, inter)

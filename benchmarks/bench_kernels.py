@@ -52,10 +52,10 @@ def decode_inputs():
 
 def op_paths(use_kernel: bool):
     """name -> f(inputs) for the kernels' ops in a decode layer."""
-    attend = attn_mod.build_sparse_attention() if use_kernel else attn_mod.sparse_attention_ops
-    ring = ring_mod.build_swa_ring_update() if use_kernel else ring_mod.swa_ring_update_ops
-    pack = fp4_mod.build_fp4_pack() if use_kernel else fp4_mod.fp4_pack_ops
-    fp8 = fp8_mod.build_act_fp8() if use_kernel else fp8_mod.act_fp8_ops
+    attend = attn_mod.SPARSE_ATTENTION.build() if use_kernel else attn_mod.sparse_attention_ops
+    ring = ring_mod.SWA_RING_UPDATE.build() if use_kernel else ring_mod.swa_ring_update_ops
+    pack = fp4_mod.FP4_PACK.build() if use_kernel else fp4_mod.fp4_pack_ops
+    fp8 = fp8_mod.ACT_FP8.build() if use_kernel else fp8_mod.act_fp8_ops
     return {
         "sparse_attention": lambda a: attend(a["q"], a["window"], a["packed_kv"], a["rows"],
                                              a["sinks"], HEAD_DIM ** -0.5, WINDOW),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_v41.kernels import Kernels
-from mlx_v41.kernels.act_fp8 import act_fp8, build_act_fp8
+from mlx_v41.kernels.act_fp8 import ACT_FP8, act_fp8
 from mlx_v41.numerics.fp8_activation import act_fp8_qdq
 from tests.kernel_faults import checked
 from tests.metal_sim import metal_kernel
@@ -97,7 +97,7 @@ def test_kernel_equals_ops_bit_for_bit(lead, in_dtype, out_dtype):
     if in_dtype == mx.float16:
         values = values * 2.0 ** -12  # within f16's range (the largest block max: 448 x 2^11)
     x = mx.array(values.astype(np.float32)).astype(in_dtype)
-    run = build_act_fp8(checked)
+    run = ACT_FP8.build(checked)
     _same_bits(run(x, out_dtype, False), act_fp8_qdq(x, out_dtype, False))
 
 
@@ -106,7 +106,7 @@ def test_products_kernel_equals_ops_bit_for_bit(out_dtype):
     """fp32 products: the activation is their bf16 rounding, taken inside the kernel."""
     values = _products(_activations(7, 40), 7).reshape(2, 5, 128)
     x = mx.array(values)
-    run = build_act_fp8(checked)
+    run = ACT_FP8.build(checked)
     got, want = run(x, out_dtype, True), act_fp8_qdq(x, out_dtype, True)
     _same_bits(got, want)
     assert not mx.array_equal(want, act_fp8_qdq(x, out_dtype, False)).item()  # rounding matters
@@ -117,9 +117,9 @@ def test_dispatcher_keeps_the_ops_where_the_kernel_does_not_apply():
     errors; with a built kernel: the kernel."""
     x = mx.array(_activations(3, 4).astype(np.float32)).reshape(2, 64)
     _same_bits(act_fp8(x, mx.bfloat16), act_fp8_qdq(x, mx.bfloat16))
-    assert act_fp8(mx.zeros((0, 64)), run=build_act_fp8(checked)).shape == (0, 64)
+    assert act_fp8(mx.zeros((0, 64)), run=ACT_FP8.build(checked)).shape == (0, 64)
     with pytest.raises(ValueError, match="multiple of the group size 32"):
-        act_fp8(mx.zeros((2, 48)), run=build_act_fp8(checked))
+        act_fp8(mx.zeros((2, 48)), run=ACT_FP8.build(checked))
     calls = []
     act_fp8(x, mx.float32, True, run=lambda *args: calls.append(args) or args[0])
     assert len(calls) == 1 and calls[0][1:] == (mx.float32, True)
@@ -129,7 +129,7 @@ def test_dispatcher_keeps_the_ops_where_the_kernel_does_not_apply():
 def test_model_with_the_kernel_equals_the_ops(goldens, tiny_model):
     """The tiny golden model with every act_fp8 through the simulated kernel: the same logits,
     bit for bit, as on the ops; every call site of the decoder stack reaches the kernel."""
-    kernel, calls = build_act_fp8(metal_kernel), []
+    kernel, calls = ACT_FP8.build(metal_kernel), []
 
     def counted(*args):
         calls.append(args[0].shape)
@@ -152,4 +152,4 @@ def test_act_fp8_kernel_matches_ops_on_device():
         for is_products, dtype in ((False, mx.bfloat16), (True, mx.float32)):
             x = mx.array(_products(values, 11) if is_products else values.astype(np.float32))
             x = x if is_products else x.astype(mx.bfloat16)
-            _same_bits(build_act_fp8()(x, dtype, is_products), act_fp8_qdq(x, dtype, is_products))
+            _same_bits(ACT_FP8.build()(x, dtype, is_products), act_fp8_qdq(x, dtype, is_products))

@@ -16,15 +16,12 @@ import pytest
 
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.context import using
-from mlx_v41.kernels.index_queries import (CHECK_TOLERANCE as INDEX_TOLERANCE,
-                                           build_checked_index_queries, build_index_queries,
+from mlx_v41.kernels.index_queries import (CHECK_TOLERANCE as INDEX_TOLERANCE, INDEX_QUERIES,
                                            index_queries, index_queries_ops)
-from mlx_v41.kernels.rope_products import (CHECK_TOLERANCE as ROPE_TOLERANCE,
-                                           build_checked_rope_products, build_rope_products,
+from mlx_v41.kernels.rope_products import (CHECK_TOLERANCE as ROPE_TOLERANCE, ROPE_PRODUCTS,
                                            rope_products, rope_products_ops)
 from mlx_v41.kernels.swa_ring import swa_ring_update_ops
-from mlx_v41.kernels.window_rows import (build_checked_window_rows, build_window_rows,
-                                         window_rows, window_rows_ops)
+from mlx_v41.kernels.window_rows import WINDOW_ROWS, window_rows, window_rows_ops
 from mlx_v41.numerics.rope import RoPE
 from tests.kernel_faults import checked, not_compiling, sim, warnings_of, zeros
 
@@ -65,7 +62,7 @@ def test_window_rows_kernel_equals_ops_bit_for_bit(batch, capacity, width, posit
                                history.astype(mx.bfloat16), 0)
     rows = mx.array(_window_values(rng, (batch, fresh, width)).astype(np.float32))
     rows = rows.astype(mx.bfloat16)
-    got = window_rows(ring, rows, position, count, skip, run=build_window_rows(checked))
+    got = window_rows(ring, rows, position, count, skip, run=WINDOW_ROWS.build(checked))
     _same_bits(got, window_rows_ops(ring, rows, position, count, skip))
     assert got.shape == (batch, count + fresh - skip, width)
 
@@ -120,7 +117,7 @@ def test_rope_products_kernel_matches_ops(shape, rope_dim, positions, dtype):
     rng = np.random.default_rng(shape[-1] + rope_dim)
     x = mx.array(_products(rng, shape, rope_dim)).astype(dtype)
     rope, positions = RoPE(rope_dim, 160000.0, YARN), _positions(positions, shape[1])
-    got = rope_products(x, rope, positions, run=build_rope_products(checked))
+    got = rope_products(x, rope, positions, run=ROPE_PRODUCTS.build(checked))
     want = rope_products_ops(x, rope, positions)
     error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
     assert error <= ROPE_TOLERANCE * mx.abs(want.astype(mx.float32)).max().item()
@@ -132,7 +129,7 @@ def test_index_queries_kernel_matches_ops(shape, rope_dim, positions):
     rng = np.random.default_rng(shape[-1] * 3 + rope_dim)
     x = mx.array(_products(rng, shape, rope_dim))
     rope, positions = RoPE(rope_dim, 10000.0), _positions(positions, shape[1])
-    got = index_queries(x, rope, positions, run=build_index_queries(checked))
+    got = index_queries(x, rope, positions, run=INDEX_QUERIES.build(checked))
     want = index_queries_ops(x, rope, positions)
     error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
     assert error <= INDEX_TOLERANCE * mx.abs(want.astype(mx.float32)).max().item()
@@ -155,12 +152,12 @@ def test_the_index_inputs_reach_the_fp4_edge_cases():
 
 def test_dispatchers_keep_the_ops_where_the_kernels_do_not_apply():
     """Odd widths and mismatched positions: the ops (and their errors)."""
-    rope, run = RoPE(16, 10000.0), build_index_queries(sim)
+    rope, run = RoPE(16, 10000.0), INDEX_QUERIES.build(sim)
     with pytest.raises(ValueError, match="multiple of the group size 32"):
         index_queries(mx.ones((1, 1, 2, 48)), rope, 0, run=run)
     x = mx.ones((1, 2, 2, 33))
     with pytest.raises(ValueError):
-        rope_products(x, rope, 0, run=build_rope_products(sim))
+        rope_products(x, rope, 0, run=ROPE_PRODUCTS.build(sim))
     x = mx.ones((1, 2, 2, 32))
     assert mx.array_equal(rope_products(x, rope, mx.arange(2), use_kernel=False),
                           rope_products_ops(x, rope, mx.arange(2))).item()
@@ -169,9 +166,9 @@ def test_dispatchers_keep_the_ops_where_the_kernels_do_not_apply():
 @pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
                                             (zeros, "KernelMismatch")])
 @pytest.mark.parametrize("build,ops,name", [
-    (build_checked_window_rows, window_rows_ops, "v41_window_rows"),
-    (build_checked_rope_products, rope_products_ops, "v41_rope_products"),
-    (build_checked_index_queries, index_queries_ops, "v41_index_queries")])
+    (WINDOW_ROWS.build_checked, window_rows_ops, "v41_window_rows"),
+    (ROPE_PRODUCTS.build_checked, rope_products_ops, "v41_rope_products"),
+    (INDEX_QUERIES.build_checked, index_queries_ops, "v41_index_queries")])
 def test_a_broken_kernel_warns_once_and_runs_its_ops(factory, reason, build, ops, name):
     run, messages = warnings_of(build, factory)
     assert run is ops
@@ -202,7 +199,7 @@ def test_query_rope_on_a_model_layer(tiny_model):
     qr = qr.astype(mx.bfloat16)
     shape = (2, 3, attention.heads, attention.head_dim)
     products = attention.q_b_proj.matmul(attention.q_b_proj.prepare(qr)).reshape(shape)
-    with using(Kernels(rope_products=build_rope_products(checked))):
+    with using(Kernels(rope_products=ROPE_PRODUCTS.build(checked))):
         got = rope_products(products, attention.rope, 70)
     _same_bits(got,
                attention.rope(attention.q_b_proj(qr).reshape(shape), 70))
@@ -221,8 +218,8 @@ def test_model_with_the_kernels_equals_the_ops(goldens, tiny_model):
             return run(*args)
         return call
 
-    model = tiny_model(Kernels(window_rows=counted("window_rows", build_window_rows(sim)),
-                               index_queries=counted("index_queries", build_index_queries(sim))))
+    model = tiny_model(Kernels(window_rows=counted("window_rows", WINDOW_ROWS.build(sim)),
+                               index_queries=counted("index_queries", INDEX_QUERIES.build(sim))))
     reference = tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :14].astype(mx.int32)
     caches = model.make_cache(), reference.make_cache()
@@ -243,12 +240,12 @@ def test_attention_prep_kernels_match_ops_on_device():
         history = mx.array(_window_values(rng, (1, 40, 512)).astype(np.float32))
         ring = swa_ring_update_ops(mx.zeros((1, 32, 528), mx.uint8), history, 0)
         rows = mx.array(_window_values(rng, (1, 1, 512)).astype(np.float32)).astype(mx.bfloat16)
-        _same_bits(build_window_rows()(ring, rows, 40, 15, 0),
+        _same_bits(WINDOW_ROWS.build()(ring, rows, 40, 15, 0),
                    window_rows_ops(ring, rows, 40, 15, 0))
         x = mx.array(_products(rng, (1, 2, 64, 128), 64, tiny=False))
         rope = RoPE(64, 160000.0, YARN)
-        got, want = build_rope_products()(x, rope, 900), rope_products_ops(x, rope, 900)
+        got, want = ROPE_PRODUCTS.build()(x, rope, 900), rope_products_ops(x, rope, 900)
         error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
         assert error <= ROPE_TOLERANCE * mx.abs(want.astype(mx.float32)).max().item()
-        got, want = build_index_queries()(x, rope, 900), index_queries_ops(x, rope, 900)
+        got, want = INDEX_QUERIES.build()(x, rope, 900), index_queries_ops(x, rope, 900)
         assert (got != want).sum().item() <= want.size / 256

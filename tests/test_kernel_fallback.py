@@ -11,7 +11,7 @@ import pytest
 
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8_ops
-from mlx_v41.kernels.fp4_pack import build_checked_fp4_pack, fp4_pack_ops
+from mlx_v41.kernels.fp4_pack import FP4_PACK, fp4_pack_ops
 from mlx_v41.kernels.index_queries import index_queries_ops
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from mlx_v41.kernels.norm import norm_ops
@@ -71,7 +71,7 @@ def test_production_kernel_without_metal_falls_back_with_one_warning():
     """mx.fast.metal_kernel builds here but raises when called: the checked production
     builder returns the ops and says so once."""
     with pytest.warns(RuntimeWarning, match="v41_fp4_pack") as caught:
-        run = build_checked_fp4_pack()
+        run = FP4_PACK.build_checked()
     assert run is fp4_pack_ops and len(caught) == 1
 
 

@@ -38,17 +38,17 @@ def bits(x: mx.array) -> np.ndarray:
 
 @functools.cache
 def pack_kernel(options="sim"):
-    return fp4_mod.build_fp4_pack(checked if options == "checked" else sim)
+    return fp4_mod.FP4_PACK.build(checked if options == "checked" else sim)
 
 
 @functools.cache
 def ring_kernel(options="sim"):
-    return ring_mod.build_swa_ring_update(checked if options == "checked" else sim)
+    return ring_mod.SWA_RING_UPDATE.build(checked if options == "checked" else sim)
 
 
 @functools.cache
 def attention_kernel(options="sim"):
-    return attn_mod.build_sparse_attention(checked if options == "checked" else sim)
+    return attn_mod.SPARSE_ATTENTION.build(checked if options == "checked" else sim)
 
 
 # ------------------------------------------------------------------------------ FP4 pack
@@ -407,7 +407,7 @@ def test_dispatchers_fall_back_to_ops_without_metal():
     np.testing.assert_array_equal(bits(attn_mod.sparse_attention(*args, 0.125, 8)),
                                   bits(attn_mod.sparse_attention_ops(*args, 0.125, 8)))
     with pytest.raises(RuntimeError):
-        fp4_mod.build_fp4_pack()(x, "kv")  # the production kernel itself needs Metal
+        fp4_mod.FP4_PACK.build()(x, "kv")  # the production kernel itself needs Metal
 
 
 def test_sparse_attention_rejects_a_wrong_packed_width():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_v41.kernels import Kernels
-from mlx_v41.kernels.mhc import CHECK_TOLERANCE, build_mhc, build_mhc_expand, mhc
+from mlx_v41.kernels.mhc import CHECK_TOLERANCE, MHC, MHC_EXPAND, mhc
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from tests.kernel_faults import checked
 
@@ -34,7 +34,7 @@ def test_mhc_kernel_matches_ops(lead, dim, iters):
     base = mx.array(rng.standard_normal(24).astype(np.float32))
     scale = mx.array(rng.uniform(0.5, 3.0, 3).astype(np.float32))
     args = (streams, fn, base, scale, iters, 1e-6, 1e-6)
-    _close(build_mhc(checked)(*args), mhc_ops(*args))
+    _close(MHC.build(checked)(*args), mhc_ops(*args))
 
 
 def test_mhc_kernel_on_a_model_block(goldens, tiny_model):
@@ -45,7 +45,7 @@ def test_mhc_kernel_on_a_model_block(goldens, tiny_model):
     streams = captured["layers.2.out"]
     hc = model.model.layers[3].attn_hc
     args = (streams, hc.fn, hc.base, hc.scale, hc._iters, hc._eps, hc._norm_eps)
-    _close(mhc(*args, run=build_mhc(checked)), mhc(*args, use_kernel=False))
+    _close(mhc(*args, run=MHC.build(checked)), mhc(*args, use_kernel=False))
 
 
 
@@ -75,7 +75,7 @@ def _streams_close(got, want):
                                                     ((1, 2), 1280, 3, mx.float32)])
 def test_mhc_expand_kernel_matches_ops(lead, dim, iters, y_dtype):
     args = _expand_args(np.random.default_rng(dim), lead, dim, iters, y_dtype)
-    got, want = build_mhc_expand(checked)(*args), mhc_expand_ops(*args)
+    got, want = MHC_EXPAND.build(checked)(*args), mhc_expand_ops(*args)
     _streams_close(got[0], want[0])
     _close(got[1:], want[1:])
 
@@ -89,7 +89,7 @@ def test_mhc_expand_kernel_in_a_model_block(goldens, tiny_model):
     reference = tiny_model()
     fused = tiny_model()
     calls = []
-    run = build_mhc_expand(checked)
+    run = MHC_EXPAND.build(checked)
     fused.kernels = Kernels(mhc_expand=lambda *a: calls.append(1) or run(*a))
     want, got = {}, {}
     reference(ids, capture=want)

@@ -33,10 +33,8 @@ import pytest
 
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.context import using
-from mlx_v41.kernels.router import (build_checked_router, build_router, by_id, router,
-                                    router_logits, router_ops, select_ops)
-from mlx_v41.kernels.swiglu import (build_checked_swiglu_act_fp8, build_swiglu_act_fp8,
-                                    swiglu_act_fp8, swiglu_act_fp8_ops)
+from mlx_v41.kernels.router import ROUTER, by_id, router, router_logits, router_ops, select_ops
+from mlx_v41.kernels.swiglu import SWIGLU_ACT_FP8, swiglu_act_fp8, swiglu_act_fp8_ops
 from mlx_v41.model.layers import round_act_fp8
 from mlx_v41.model.moe import _add_shared, _bf16_rounded, _routed_and_shared
 from tests.kernel_faults import checked, not_compiling, returning, sim, warnings_of
@@ -51,12 +49,12 @@ LOGITS_TOLERANCE = 0.05  # absolute, tiny model's early logits (measured 0)
 
 @functools.cache
 def _router_run():
-    return build_router(checked)
+    return ROUTER.build(checked)
 
 
 @functools.cache
 def _swiglu_run():
-    return build_swiglu_act_fp8(checked)
+    return SWIGLU_ACT_FP8.build(checked)
 
 
 def _router_case(seed: int, tokens: int, dim: int, experts: int):
@@ -237,8 +235,8 @@ _ONES = returning(lambda outputs: [mx.zeros_like(out) + 1 for out in outputs], n
 @pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
                                             (_ONES, "KernelMismatch")])
 @pytest.mark.parametrize("build,name,ops", [
-    (build_checked_router, "v41_router", router_ops),
-    (build_checked_swiglu_act_fp8, "v41_swiglu_act_fp8", swiglu_act_fp8_ops)])
+    (ROUTER.build_checked, "v41_router", router_ops),
+    (SWIGLU_ACT_FP8.build_checked, "v41_swiglu_act_fp8", swiglu_act_fp8_ops)])
 def test_a_failing_kernel_warns_once_and_runs_its_ops(build, name, ops, factory, reason):
     run, messages = warnings_of(build, factory)
     assert run is ops
@@ -281,8 +279,8 @@ def test_model_with_the_kernels_matches_the_ops(tiny_model, goldens):
         return call
 
     ids = goldens("tiny").prompt[None, :8].astype(mx.int32)
-    model = tiny_model(Kernels(router=counted("router", build_router(sim)),
-                               swiglu_act_fp8=counted("swiglu", build_swiglu_act_fp8(sim))))
+    model = tiny_model(Kernels(router=counted("router", ROUTER.build(sim)),
+                               swiglu_act_fp8=counted("swiglu", SWIGLU_ACT_FP8.build(sim))))
     reference = tiny_model(Kernels(use=False))
     got, want = _logits(model, ids), _logits(reference, ids)
     assert mx.abs(got - want).max().item() < LOGITS_TOLERANCE

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from mlx_v41.kernels import Kernels
-from mlx_v41.kernels.norm import (OUTPUTS, build_checked_norm, build_norm, check_close, norm,
-                                  norm_ops, threads_for)
+from mlx_v41.kernels.norm import NORM, OUTPUTS, check_close, norm, norm_ops, threads_for
 from mlx_v41.numerics.rope import RoPE
 from tests.kernel_faults import checked, not_compiling, returning, warnings_of
 from tests.metal_sim import metal_kernel
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("cpu")
 
 @functools.cache
 def _run():
-    return build_norm(checked)
+    return NORM.build(checked)
 
 
 def _rows(rng, shape, spread: float = 2.0) -> np.ndarray:
@@ -191,7 +190,7 @@ def _one_ulp_up(outputs):
 @pytest.mark.parametrize("factory,reason", [(not_compiling(checked), "MetalCompileError"),
                                             (returning(_one_ulp_up, checked), "KernelMismatch")])
 def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason):
-    run, messages = warnings_of(build_checked_norm, factory)
+    run, messages = warnings_of(NORM.build_checked, factory)
     assert run is norm_ops
     assert len(messages) == 1 and "v41_norm" in messages[0] and reason in messages[0], messages
 
@@ -200,7 +199,7 @@ def test_model_with_the_kernel_matches_the_ops(goldens, tiny_model):
     """The tiny golden model with every norm chain through the simulated kernel (4 per layer
     and the final norm): prompt logits and two decode steps equal the ops' (measured: bit for
     bit; the test allows 1e-3, well under the chaotic model's spread for a one-ulp flip)."""
-    kernel, calls = build_norm(metal_kernel), []
+    kernel, calls = NORM.build(metal_kernel), []
 
     def counted(*args):
         calls.append(args[0].shape)

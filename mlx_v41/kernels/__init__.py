@@ -9,14 +9,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .act_fp8 import build_act_fp8, build_checked_act_fp8
+from .act_fp8 import ACT_FP8
 from .context import active, using  # noqa: F401 - the package's API
-from .fp4_pack import build_checked_fp4_pack, build_fp4_pack
-from .mhc import build_checked_mhc, build_mhc
-from .sparse_attention import build_checked_sparse_attention, build_sparse_attention
-from .swa_ring import build_checked_swa_ring_update, build_swa_ring_update
-from .window_rows import build_checked_window_rows, build_window_rows
+from .fp4_pack import FP4_PACK
+from .index_queries import INDEX_QUERIES
+from .mhc import MHC, MHC_EXPAND
+from .norm import NORM
+from .rope_products import ROPE_PRODUCTS
+from .router import ROUTER
+from .sparse_attention import SPARSE_ATTENTION
+from .spec import KernelSpec
+from .swa_ring import SWA_RING_UPDATE
+from .swiglu import SWIGLU_ACT_FP8
+from .window_rows import WINDOW_ROWS
 
+# Every kernel's spec: the bit-exact ones, then those within a stated tolerance of their ops.
+SPECS: tuple[KernelSpec, ...] = (FP4_PACK, SPARSE_ATTENTION, SWA_RING_UPDATE, ACT_FP8,
+                                 WINDOW_ROWS, MHC, NORM, ROUTER, SWIGLU_ACT_FP8, ROPE_PRODUCTS,
+                                 INDEX_QUERIES, MHC_EXPAND)
 
 @dataclass
 class Kernels:
@@ -47,35 +57,6 @@ class Kernels:
         Metal reductions do); otherwise the dispatchers decide for them, so that comparisons
         of the exact kernels through the simulator are not lost in the chaotic model's
         amplification of a last-bit difference."""
-        builders = {"fp4_pack": build_fp4_pack, "sparse_attention": build_sparse_attention,
-                    "swa_ring_update": build_swa_ring_update, "act_fp8": build_act_fp8,
-                    "window_rows": build_window_rows}
-        if check:
-            builders = {"fp4_pack": build_checked_fp4_pack,
-                        "sparse_attention": build_checked_sparse_attention,
-                        "swa_ring_update": build_checked_swa_ring_update,
-                        "act_fp8": build_checked_act_fp8,
-                        "window_rows": build_checked_window_rows}
-        if inexact:
-            builders["mhc"] = build_checked_mhc if check else build_mhc
-            builders.update(_inexact_builders(check))
-        return cls(True, **{name: build(metal_kernel) for name, build in builders.items()})
-
-
-def _inexact_builders(check: bool) -> dict:
-    """The fused kernels' builders (checked or not), by `Kernels` field."""
-    builders: dict = {}
-    from .norm import build_checked_norm, build_norm
-    builders["norm"] = build_checked_norm if check else build_norm
-    from .router import build_checked_router, build_router
-    builders["router"] = build_checked_router if check else build_router
-    from .swiglu import build_checked_swiglu_act_fp8, build_swiglu_act_fp8
-    builders["swiglu_act_fp8"] = build_checked_swiglu_act_fp8 if check else build_swiglu_act_fp8
-    # [window_rows]: bit-exact, built with the exact kernels in `Kernels.build`
-    from .rope_products import build_checked_rope_products, build_rope_products
-    builders["rope_products"] = build_checked_rope_products if check else build_rope_products
-    from .index_queries import build_checked_index_queries, build_index_queries
-    builders["index_queries"] = build_checked_index_queries if check else build_index_queries
-    from .mhc import build_checked_mhc_expand, build_mhc_expand
-    builders["mhc_expand"] = build_checked_mhc_expand if check else build_mhc_expand
-    return builders
+        specs = [spec for spec in SPECS if spec.exact or inexact]
+        return cls(True, **{spec.field: (spec.build_checked if check else spec.build)(metal_kernel)
+                            for spec in specs})

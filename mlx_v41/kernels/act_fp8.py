@@ -9,16 +9,15 @@ reduction, the scale, the rounding: element-wise arithmetic that MLX fuses); the
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.fp8_activation import act_fp8_qdq
 from ..numerics.quant import ACT_FP8_BLOCK
-from .builder import build_kernel, metal_applies, simd_threadgroup
-from .check import assert_equal, verified
-from .context import chosen
+from .builder import simd_threadgroup
+from .check import assert_equal
+from .spec import KernelSpec
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -28,21 +27,12 @@ def act_fp8_ops(x: mx.array, dtype, is_products: bool) -> mx.array:
     return act_fp8_qdq(x, dtype, is_products)
 
 
-def build_act_fp8(metal_kernel=None):
-    """The kernel as `run(x, dtype, is_products)`, built from metal/act_fp8.metal with
-    `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_act_fp8", ["x"], ["out"], "act_fp8.metal",
-                          header_files=("v41_common.h",), factory=metal_kernel)
-
-    def run(x: mx.array, dtype, is_products: bool) -> mx.array:
-        dtype = dtype or x.dtype
-        out, = kernel(inputs=[x.reshape(-1)], template=[("T", dtype), ("P", bool(is_products))],
-                      grid=(x.size, 1, 1), threadgroup=(simd_threadgroup(x.size), 1, 1),
-                      output_shapes=[(x.size,)], output_dtypes=[dtype])
-        return out.reshape(x.shape)
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, x: mx.array, dtype, is_products: bool) -> mx.array:
+    dtype = dtype or x.dtype
+    out, = kernel(inputs=[x.reshape(-1)], template=[("T", dtype), ("P", bool(is_products))],
+                  grid=(x.size, 1, 1), threadgroup=(simd_threadgroup(x.size), 1, 1),
+                  output_shapes=[(x.size,)], output_dtypes=[dtype])
+    return out.reshape(x.shape)
 
 
 def _probe(run, ops) -> None:
@@ -54,14 +44,9 @@ def _probe(run, ops) -> None:
     assert_equal("act_fp8", run(x, mx.bfloat16, False), ops(x, mx.bfloat16, False))
 
 
-def build_checked_act_fp8(metal_kernel=None):
-    """`build_act_fp8(metal_kernel)` if it passes its self-check, else `act_fp8_ops`."""
-    return verified("v41_act_fp8", lambda: build_act_fp8(metal_kernel), _probe, act_fp8_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_act_fp8()
+# The kernel as `run(x, dtype, is_products)`: metal/act_fp8.metal, one simdgroup per block.
+ACT_FP8 = KernelSpec("v41_act_fp8", "act_fp8", ("x",), ("out",), "act_fp8.metal", _launch,
+                     _probe, act_fp8_ops, headers=("v41_common.h",))
 
 
 def act_fp8(x: mx.array, dtype=None, is_products: bool = False, use_kernel: Optional[bool] = None,
@@ -74,13 +59,13 @@ def act_fp8(x: mx.array, dtype=None, is_products: bool = False, use_kernel: Opti
         dtype: output dtype (default x.dtype; the values are exact in bf16 and fp32).
         is_products: see x.
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+        run: an already built kernel (`ACT_FP8.build(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
     Returns:
         [..., K] in dtype, identical to `fp8_activation.act_fp8_qdq(x, dtype, is_products)`.
     """
-    use_kernel, run = chosen("act_fp8", use_kernel, run)
-    if ((run is None and (not use_kernel or not metal_applies())) or x.ndim == 0
-            or x.size == 0 or x.shape[-1] % ACT_FP8_BLOCK or x.dtype not in _FLOAT_DTYPES):
+    run = ACT_FP8.choose(use_kernel, run)
+    if (run is None or x.ndim == 0 or x.size == 0 or x.shape[-1] % ACT_FP8_BLOCK
+            or x.dtype not in _FLOAT_DTYPES):
         return act_fp8_qdq(x, dtype, is_products)  # also its error for a bad width
-    return (run or _metal_run())(x, dtype, is_products)
+    return run(x, dtype, is_products)

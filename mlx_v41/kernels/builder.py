@@ -6,16 +6,12 @@ that ``mx.fast.metal_kernel`` wraps in the signature it generates, never standal
 
 ``build_kernel`` takes the ``metal_kernel`` factory as an argument, so the same Metal text runs
 on the GPU in production (``mx.fast.metal_kernel``) and in the Linux simulator in tests
-(``tests.metal_sim.metal_kernel``)::
+(``tests.metal_sim.metal_kernel``). Kernels call it through their ``KernelSpec`` (spec.py), whose
+``launch(kernel, *args)`` owns grid, threadgroup, template, output shapes and dtypes::
 
-    def build_fp4_pack(metal_kernel=None):
-        k = build_kernel("v41_fp4_pack", ["x"], ["codes", "scales"], "fp4_pack.metal",
-                         header_files=("fp4.h",), factory=metal_kernel)
-        def run(x):
-            ...  # owns grid, threadgroup, template, output shapes and dtypes
-            return k(inputs=[x], template=[("T", x.dtype)], grid=..., threadgroup=...,
-                     output_shapes=..., output_dtypes=...)
-        return run
+    FP4_PACK = KernelSpec("v41_fp4_pack", "fp4_pack", ("x",), ("out",), "fp4_pack.metal",
+                          _launch, _probe, fp4_pack_ops, headers=("v41_common.h",))
+    run = FP4_PACK.build(metal_kernel)  # build_kernel(...), then run(rows, kind)
 """
 
 from __future__ import annotations

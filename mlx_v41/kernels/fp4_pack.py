@@ -7,15 +7,13 @@ The Metal kernel (metal/fp4_pack.metal) runs one thread per scale group and repl
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.quant import FP4_E4M3_BLOCK, FP4_E8M0_BLOCK, pack_fp4_e4m3, pack_fp4_e8m0
-from .builder import build_kernel, metal_applies
-from .check import assert_equal, verified
-from .context import chosen
+from .check import assert_equal
+from .spec import KernelSpec
 
 KINDS = {"kv": (FP4_E4M3_BLOCK, True), "index": (FP4_E8M0_BLOCK, False)}  # group, E4M3 scale
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -35,25 +33,16 @@ def fp4_pack_ops(rows: mx.array, kind: str) -> mx.array:
     return pack_fp4_e4m3(rows) if kind == "kv" else pack_fp4_e8m0(rows)
 
 
-def build_fp4_pack(metal_kernel=None):
-    """The kernel as `run(rows, kind)`, built from metal/fp4_pack.metal with `metal_kernel`
-    (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_fp4_pack", ["x"], ["out"], "fp4_pack.metal",
-                          header_files=("v41_common.h",), factory=metal_kernel)
-
-    def run(rows: mx.array, kind: str) -> mx.array:
-        group, is_e4m3 = KINDS[kind]
-        *lead, width = rows.shape
-        x = rows.reshape(-1, width)
-        threads = x.shape[0] * (width // group)
-        out, = kernel(inputs=[x], template=[("G", group), ("E4M3", is_e4m3)],
-                      grid=(threads, 1, 1), threadgroup=(min(_THREADS, threads), 1, 1),
-                      output_shapes=[(x.shape[0], packed_width(width, kind))],
-                      output_dtypes=[mx.uint8])
-        return out.reshape(*lead, packed_width(width, kind))
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, rows: mx.array, kind: str) -> mx.array:
+    group, is_e4m3 = KINDS[kind]
+    *lead, width = rows.shape
+    x = rows.reshape(-1, width)
+    threads = x.shape[0] * (width // group)
+    out, = kernel(inputs=[x], template=[("G", group), ("E4M3", is_e4m3)],
+                  grid=(threads, 1, 1), threadgroup=(min(_THREADS, threads), 1, 1),
+                  output_shapes=[(x.shape[0], packed_width(width, kind))],
+                  output_dtypes=[mx.uint8])
+    return out.reshape(*lead, packed_width(width, kind))
 
 
 def _probe(run, ops) -> None:
@@ -63,14 +52,9 @@ def _probe(run, ops) -> None:
         assert_equal(f"fp4_pack {kind}", run(x, kind), ops(x, kind))
 
 
-def build_checked_fp4_pack(metal_kernel=None):
-    """`build_fp4_pack(metal_kernel)` if it passes its self-check, else `fp4_pack_ops`."""
-    return verified("v41_fp4_pack", lambda: build_fp4_pack(metal_kernel), _probe, fp4_pack_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_fp4_pack()
+# The kernel as `run(rows, kind)`: metal/fp4_pack.metal, one thread per scale group.
+FP4_PACK = KernelSpec("v41_fp4_pack", "fp4_pack", ("x",), ("out",), "fp4_pack.metal", _launch,
+                      _probe, fp4_pack_ops, headers=("v41_common.h",))
 
 
 def fp4_pack(rows: mx.array, kind: str, use_kernel: Optional[bool] = None, run=None) -> mx.array:
@@ -80,17 +64,16 @@ def fp4_pack(rows: mx.array, kind: str, use_kernel: Optional[bool] = None, run=N
         rows: [..., W] bf16/f16/f32, W a multiple of 16 ("kv") or 32 ("index").
         kind: "kv" (fp4_e4m3: W/2 + W/16 bytes) or "index" (fp4_e8m0: W/2 + W/32 bytes).
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+        run: an already built kernel (`FP4_PACK.build(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
     Returns:
         uint8 [..., packed row bytes], identical to `fp4_pack_ops`.
     """
-    use_kernel, run = chosen("fp4_pack", use_kernel, run)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
-    if run is not None:
-        return run(rows, kind)
-    if (not use_kernel or not metal_applies() or rows.dtype not in _FLOAT_DTYPES
-            or rows.ndim == 0 or rows.shape[-1] % KINDS[kind][0] or rows.size == 0):
+    run = FP4_PACK.choose(use_kernel, run, applies=(
+        rows.dtype in _FLOAT_DTYPES and rows.ndim > 0 and rows.size > 0
+        and rows.shape[-1] % KINDS[kind][0] == 0))
+    if run is None:
         return fp4_pack_ops(rows, kind)
-    return _metal_run()(rows, kind)
+    return run(rows, kind)

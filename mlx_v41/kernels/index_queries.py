@@ -13,17 +13,16 @@ rounding can turn that into one E2M1 step of its block's scale: CHECK_TOLERANCE.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.quant import FP4_E8M0_BLOCK, fp4_e8m0_qdq
 from ..numerics.rope import RoPE
-from .builder import build_kernel, metal_applies, simd_threadgroup
-from .check import KernelMismatch, assert_close, verified
-from .context import chosen
+from .builder import simd_threadgroup
+from .check import KernelMismatch, assert_close
 from .rope_products import angles_of, applies, probe_input
+from .spec import KernelSpec
 
 # Of the largest output: one E2M1 step (at most 2/3 of its block's largest value, between 4 s
 # and 6 s) that a fused multiply-add's bf16 rounding may flip, with a margin; through the
@@ -38,23 +37,12 @@ def index_queries_ops(products: mx.array, rope: RoPE, positions) -> mx.array:
     return fp4_e8m0_qdq(rope(products.astype(mx.bfloat16), positions))
 
 
-def build_index_queries(metal_kernel=None):
-    """The kernel as `run(products, rope, positions)`, built from metal/index_queries.metal with
-    `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_index_queries", ["products", "cosines", "sines"], ["out"],
-                          "index_queries.metal",
-                          header_files=("v41_common.h", "attention_prep.h"),
-                          factory=metal_kernel)
-
-    def run(products: mx.array, rope: RoPE, positions) -> mx.array:
-        cos, sin = angles_of(rope, positions, products.shape[1])
-        out, = kernel(inputs=[products, cos, sin], grid=(products.size, 1, 1),
-                      threadgroup=(simd_threadgroup(products.size), 1, 1),
-                      output_shapes=[products.shape], output_dtypes=[mx.bfloat16])
-        return out
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, products: mx.array, rope: RoPE, positions) -> mx.array:
+    cos, sin = angles_of(rope, positions, products.shape[1])
+    out, = kernel(inputs=[products, cos, sin], grid=(products.size, 1, 1),
+                  threadgroup=(simd_threadgroup(products.size), 1, 1),
+                  output_shapes=[products.shape], output_dtypes=[mx.bfloat16])
+    return out
 
 
 def _probe(run, ops) -> None:
@@ -71,15 +59,11 @@ values (a fused multiply-add's flips) equal to them."""
                              "its ops")
 
 
-def build_checked_index_queries(metal_kernel=None):
-    """`build_index_queries(metal_kernel)` if it passes its self-check, else the ops."""
-    return verified("v41_index_queries", lambda: build_index_queries(metal_kernel), _probe,
-                    index_queries_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_index_queries()
+# The kernel as `run(products, rope, positions)`: metal/index_queries.metal, rounding,
+# rotation and FP4 fake-quant in one launch.
+INDEX_QUERIES = KernelSpec("v41_index_queries", "index_queries", ("products", "cosines", "sines"),
+                           ("out",), "index_queries.metal", _launch, _probe, index_queries_ops,
+                           headers=("v41_common.h", "attention_prep.h"), exact=False)
 
 
 def index_queries(products: mx.array, rope: RoPE, positions, use_kernel: Optional[bool] = None,
@@ -92,14 +76,14 @@ def index_queries(products: mx.array, rope: RoPE, positions, use_kernel: Optiona
         rope: the layer's RoPE (rotates the last `rope.rope_dim` channels of each head).
         positions: [S] absolute positions of axis 1, or the int position of its first row.
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use where it applies, e.g. the
-            Metal simulator's in tests.
+        run: an already built kernel (`INDEX_QUERIES.build(factory)`) to use where it applies,
+            e.g. the Metal simulator's in tests.
     Returns:
         [B, S, H, D] bf16, `index_queries_ops(products, rope, positions)` within
         CHECK_TOLERANCE.
     """
-    use_kernel, run = chosen("index_queries", use_kernel, run)
-    if ((run is None and (not use_kernel or not metal_applies()))
-            or not applies(products, rope, positions) or products.shape[-1] % FP4_E8M0_BLOCK):
+    run = INDEX_QUERIES.choose(use_kernel, run)
+    if (run is None or not applies(products, rope, positions)
+            or products.shape[-1] % FP4_E8M0_BLOCK):
         return index_queries_ops(products, rope, positions)  # also its errors
-    return (run or _metal_run())(products, rope, positions)
+    return run(products, rope, positions)

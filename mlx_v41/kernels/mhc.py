@@ -9,78 +9,53 @@ keeps it in MLX).
 
 from __future__ import annotations
 
-import functools
+import math
 from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.mhc import expand_pair, mhc_expand_ops, mhc_ops
-from .builder import build_kernel, device_buffer, metal_applies
-from .check import assert_close, verified
-from .context import chosen, host_sinkhorn
+from .builder import device_buffer
+from .check import assert_close
+from .context import host_sinkhorn
+from .spec import KernelSpec
 
 THREADS = 256  # threads per token's threadgroup
 CHECK_TOLERANCE = 2.0 ** -15  # of the largest output: the n*D-long sums run in another order
 
 
-def build_mhc(metal_kernel=None):
-    """The kernel as `run(streams, fn, base, scale, iters, eps, norm_eps)`, built from
-    metal/mhc.metal with `metal_kernel` (mx.fast.metal_kernel by default; tests pass the
-    simulator)."""
-    kernel = build_kernel("v41_mhc", ["streams", "fn", "base", "scale", "iters", "eps",
-                                      "norm_eps"], ["pre", "post", "comb"], "mhc.metal",
-                          header_files=("mhc.h",), factory=metal_kernel)
-
-    def run(streams, fn, base, scale, iters, eps, norm_eps):
-        *lead, n, dim = streams.shape
-        tokens = 1
-        for size in lead:
-            tokens *= size
-        # `scale` has 3 values: padded to 8 so it binds as a device buffer like the others.
-        scale8 = device_buffer(scale)
-        pre, post, comb = kernel(
-            inputs=[streams.reshape(tokens, n, dim).astype(mx.bfloat16), fn.astype(mx.float32),
-                    base.astype(mx.float32), scale8, int(iters), float(eps), float(norm_eps)],
-            template=[("N", n), ("THREADS", THREADS)], grid=(THREADS, tokens, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(tokens, n), (tokens, n), (tokens, n, n)],
-            output_dtypes=[mx.float32] * 3)
-        return pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n)
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, streams, fn, base, scale, iters, eps, norm_eps):
+    *lead, n, dim = streams.shape
+    tokens = math.prod(lead)
+    # `scale` has 3 values: padded to 8 so it binds as a device buffer like the others.
+    scale8 = device_buffer(scale)
+    pre, post, comb = kernel(
+        inputs=[streams.reshape(tokens, n, dim).astype(mx.bfloat16), fn.astype(mx.float32),
+                base.astype(mx.float32), scale8, int(iters), float(eps), float(norm_eps)],
+        template=[("N", n), ("THREADS", THREADS)], grid=(THREADS, tokens, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(tokens, n), (tokens, n), (tokens, n, n)],
+        output_dtypes=[mx.float32] * 3)
+    return pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n)
 
 
-def build_mhc_expand(metal_kernel=None):
-    """The expand-then-mix kernel as `run(y, residual, post, comb, fn, base, scale, iters, eps,
-    norm_eps)` -> (streams, pre, post, comb), built from metal/mhc_expand.metal."""
-    kernel = build_kernel("v41_mhc_expand", ["y", "residual", "hc_post", "hc_comb", "fn", "base",
-                                             "scale", "iters", "eps", "norm_eps"],
-                          ["streams", "pre", "post", "comb"], "mhc_expand.metal",
-                          header_files=("mhc.h",), factory=metal_kernel)
-
-    def run(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps):
-        *lead, n, dim = residual.shape
-        tokens = 1
-        for size in lead:
-            tokens *= size
-        if y.dtype not in (mx.float32, mx.bfloat16):
-            raise TypeError(f"mhc_expand: y must be float32 products or bfloat16, got {y.dtype}")
-        streams, pre, post_out, comb_out = kernel(
-            inputs=[y.reshape(tokens, dim), residual.reshape(tokens, n, dim).astype(mx.bfloat16),
-                    post.reshape(tokens, n).astype(mx.float32),
-                    comb.reshape(tokens, n, n).astype(mx.float32), fn.astype(mx.float32),
-                    base.astype(mx.float32), device_buffer(scale), int(iters), float(eps),
-                    float(norm_eps)],
-            template=[("N", n), ("THREADS", THREADS)], grid=(THREADS, tokens, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(tokens, n, dim), (tokens, n), (tokens, n), (tokens, n, n)],
-            output_dtypes=[mx.bfloat16] + [mx.float32] * 3)
-        return (streams.reshape(*lead, n, dim), pre.reshape(*lead, n),
-                post_out.reshape(*lead, n), comb_out.reshape(*lead, n, n))
-
-    run.kernel = kernel
-    return run
+def _launch_expand(kernel, y, residual, post, comb, fn, base, scale, iters, eps, norm_eps):
+    *lead, n, dim = residual.shape
+    tokens = math.prod(lead)
+    if y.dtype not in (mx.float32, mx.bfloat16):
+        raise TypeError(f"mhc_expand: y must be float32 products or bfloat16, got {y.dtype}")
+    streams, pre, post_out, comb_out = kernel(
+        inputs=[y.reshape(tokens, dim), residual.reshape(tokens, n, dim).astype(mx.bfloat16),
+                post.reshape(tokens, n).astype(mx.float32),
+                comb.reshape(tokens, n, n).astype(mx.float32), fn.astype(mx.float32),
+                base.astype(mx.float32), device_buffer(scale), int(iters), float(eps),
+                float(norm_eps)],
+        template=[("N", n), ("THREADS", THREADS)], grid=(THREADS, tokens, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(tokens, n, dim), (tokens, n), (tokens, n), (tokens, n, n)],
+        output_dtypes=[mx.bfloat16] + [mx.float32] * 3)
+    return (streams.reshape(*lead, n, dim), pre.reshape(*lead, n),
+            post_out.reshape(*lead, n), comb_out.reshape(*lead, n, n))
 
 
 def _probe_expand(run, ops) -> None:
@@ -100,15 +75,13 @@ def _probe_expand(run, ops) -> None:
         assert_close(f"mhc_expand {name}", g, w, CHECK_TOLERANCE)
 
 
-def build_checked_mhc_expand(metal_kernel=None):
-    """`build_mhc_expand(metal_kernel)` if it passes its self-check, else `mhc_expand_ops`."""
-    return verified("v41_mhc_expand", lambda: build_mhc_expand(metal_kernel), _probe_expand,
-                    mhc_expand_ops)
-
-
-@functools.cache
-def _metal_expand_run():
-    return build_checked_mhc_expand()
+# The expand-then-mix kernel as `run(y, residual, post, comb, fn, base, scale, iters, eps,
+# norm_eps)` -> (streams, pre, post, comb): metal/mhc_expand.metal.
+MHC_EXPAND = KernelSpec(
+    "v41_mhc_expand", "mhc_expand",
+    ("y", "residual", "hc_post", "hc_comb", "fn", "base", "scale", "iters", "eps", "norm_eps"),
+    ("streams", "pre", "post", "comb"), "mhc_expand.metal", _launch_expand, _probe_expand,
+    mhc_expand_ops, headers=("mhc.h",), exact=False)
 
 
 def mhc_expand(y, residual, post, comb, fn, base, scale, iters: int, eps: float,
@@ -123,12 +96,9 @@ def mhc_expand(y, residual, post, comb, fn, base, scale, iters: int, eps: float,
         (streams [B, S, n, D] bf16, pre [B, S, n], post [B, S, n], comb [B, S, n, n] fp32).
     """
     given = use_kernel
-    use_kernel, run = chosen("mhc_expand", use_kernel, run)
+    run = MHC_EXPAND.choose(use_kernel, run, applies=residual.size > 0 and residual.ndim >= 3)
     if run is not None:
         return run(y, residual, post, comb, fn, base, scale, iters, eps, norm_eps)
-    if use_kernel and metal_applies() and residual.size > 0 and residual.ndim >= 3:
-        return _metal_expand_run()(y, residual, post, comb, fn, base, scale, iters, eps,
-                                   norm_eps)
     streams, streams32, squares = expand_pair(y, residual, post, comb)
     return (streams, *mhc(streams, fn, base, scale, iters, eps, norm_eps, use_kernel=given,
                           streams32=streams32, squares=squares, host=host))
@@ -144,14 +114,10 @@ def _probe(run, ops) -> None:
         assert_close(f"mhc {name}", got, want, CHECK_TOLERANCE)
 
 
-def build_checked_mhc(metal_kernel=None):
-    """`build_mhc(metal_kernel)` if it passes its self-check, else `mhc_ops`."""
-    return verified("v41_mhc", lambda: build_mhc(metal_kernel), _probe, mhc_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_mhc()
+# The kernel as `run(streams, fn, base, scale, iters, eps, norm_eps)`: metal/mhc.metal.
+MHC = KernelSpec("v41_mhc", "mhc", ("streams", "fn", "base", "scale", "iters", "eps", "norm_eps"),
+                 ("pre", "post", "comb"), "mhc.metal", _launch, _probe, mhc_ops,
+                 headers=("mhc.h",), exact=False)
 
 
 def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
@@ -164,7 +130,7 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         fn: [(2 + n) n, n D] fp32 mix weights; base [(2 + n) n], scale [3] fp32.
         iters: Sinkhorn iterations; eps: hc_eps; norm_eps: the RMS normalisation's eps.
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+        run: an already built kernel (`MHC.build(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
         streams32: optional fp32 copy of `streams` (same values) for the ops, which read fp32
             (saves them a cast); the kernel reads `streams`.
@@ -175,11 +141,9 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
     Returns:
         (pre [B, S, n], post [B, S, n], comb [B, S, n, n]), fp32.
     """
-    use_kernel, run = chosen("mhc", use_kernel, run)
-    host = host_sinkhorn() if host is None else host
+    run = MHC.choose(use_kernel, run, applies=streams.size > 0 and streams.ndim >= 3)
     if run is not None:
         return run(streams, fn, base, scale, iters, eps, norm_eps)
-    if not use_kernel or not metal_applies() or streams.size == 0 or streams.ndim < 3:
-        return mhc_ops(streams if streams32 is None else streams32, fn, base, scale, iters, eps,
-                       norm_eps, squares if streams32 is not None else None, host=host)
-    return _metal_run()(streams, fn, base, scale, iters, eps, norm_eps)
+    host = host_sinkhorn() if host is None else host
+    return mhc_ops(streams if streams32 is None else streams32, fn, base, scale, iters, eps,
+                   norm_eps, squares if streams32 is not None else None, host=host)

@@ -31,10 +31,9 @@ from ..numerics.norm import PAIRWISE_LEAF, rms_norm, rms_norm_pair
 from ..numerics.quant import ACT_FP8_BLOCK
 from ..numerics.rope import RoPE
 from .act_fp8 import act_fp8
-from .builder import build_kernel, metal_applies
-from .check import KernelMismatch, verified
-from .context import chosen
+from .check import KernelMismatch
 from .rope_products import angles_of
+from .spec import KernelSpec
 
 OUTPUTS = ("y", "y32", "fp8")  # the bf16 result, its fp32 copy, its act_fp8 rounding
 ROW_THREADS = 256  # threads per row: the width is halved down to this (a pairwise level each)
@@ -86,42 +85,29 @@ def threads_for(width: int) -> Optional[int]:
     return threads if threads <= METAL_THREADS else None
 
 
-def build_norm(metal_kernel=None):
-    """The kernel as `run(x, weight, eps, pre, products, rope, positions, outputs,
-    fp8_dtype)` (as `norm_ops`), built from metal/norm.metal with `metal_kernel`
-    (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_norm", ["x", "pre", "weight", "rope_cos", "rope_sin", "eps"],
-                          ["y", "y32", "q8"], "norm.metal", header_files=("v41_common.h",),
-                          factory=metal_kernel)
-
-    def run(x, weight, eps, pre=None, products=False, rope=None, positions=None,
+def _launch(kernel, x, weight, eps, pre=None, products=False, rope=None, positions=None,
             outputs: Sequence[str] = ("y",), fp8_dtype=mx.float32) -> tuple:
-        _check_outputs(outputs)
-        width = x.shape[-1]
-        lead = x.shape[:-2] if pre is not None else x.shape[:-1]
-        copies = x.shape[-2] if pre is not None else 0
-        rows = x.size // width // max(copies, 1)
-        threads = threads_for(width)
-        if threads is None:
-            raise ValueError(f"norm kernel: width {width} is not one it plans (`threads_for`)")
-        cos, sin = _rotation(rope, positions, x.shape[1] if x.ndim > 1 else 1)
-        wanted = [name in outputs for name in OUTPUTS]
-        shapes = [(rows, width) if w else _UNUSED for w in wanted]
-        y, y32, q8 = kernel(
-            inputs=[x.reshape(rows, copies, width) if copies else x.reshape(rows, width),
-                    _rows_of(pre, rows, copies), weight.astype(mx.float32), cos, sin,
-                    float(eps)],
-            template=[("N", copies), ("P", bool(products)), ("D", width), ("THREADS", threads),
-                      ("LEAF", PAIRWISE_LEAF), ("R", rope.rope_dim if rope is not None else 0),
-                      ("WY", wanted[0]), ("WY32", wanted[1]), ("WQ", wanted[2]),
-                      ("Q", fp8_dtype)],
-            grid=(threads, rows, 1), threadgroup=(threads, 1, 1), output_shapes=shapes,
-            output_dtypes=[mx.bfloat16, mx.float32, fp8_dtype])
-        results = dict(zip(OUTPUTS, (y, y32, q8)))
-        return tuple(results[name].reshape(*lead, width) for name in outputs)
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+    _check_outputs(outputs)
+    width = x.shape[-1]
+    lead = x.shape[:-2] if pre is not None else x.shape[:-1]
+    copies = x.shape[-2] if pre is not None else 0
+    rows = x.size // width // max(copies, 1)
+    threads = threads_for(width)
+    if threads is None:
+        raise ValueError(f"norm kernel: width {width} is not one it plans (`threads_for`)")
+    cos, sin = _rotation(rope, positions, x.shape[1] if x.ndim > 1 else 1)
+    wanted = [name in outputs for name in OUTPUTS]
+    shapes = [(rows, width) if w else _UNUSED for w in wanted]
+    y, y32, q8 = kernel(
+        inputs=[x.reshape(rows, copies, width) if copies else x.reshape(rows, width),
+                _rows_of(pre, rows, copies), weight.astype(mx.float32), cos, sin, float(eps)],
+        template=[("N", copies), ("P", bool(products)), ("D", width), ("THREADS", threads),
+                  ("LEAF", PAIRWISE_LEAF), ("R", rope.rope_dim if rope is not None else 0),
+                  ("WY", wanted[0]), ("WY32", wanted[1]), ("WQ", wanted[2]), ("Q", fp8_dtype)],
+        grid=(threads, rows, 1), threadgroup=(threads, 1, 1), output_shapes=shapes,
+        output_dtypes=[mx.bfloat16, mx.float32, fp8_dtype])
+    results = dict(zip(OUTPUTS, (y, y32, q8)))
+    return tuple(results[name].reshape(*lead, width) for name in outputs)
 
 
 def _rows_of(pre, rows: int, copies: int) -> mx.array:
@@ -222,14 +208,11 @@ def _few_differ(name: str, got: mx.array, want: mx.array) -> None:
                              f"(at most {FLIP_FRACTION:.3g} may)")
 
 
-def build_checked_norm(metal_kernel=None):
-    """`build_norm(metal_kernel)` if it passes its self-check, else `norm_ops`."""
-    return verified("v41_norm", lambda: build_norm(metal_kernel), _probe, norm_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_norm()
+# The kernel as `run(x, weight, eps, pre, products, rope, positions, outputs, fp8_dtype)` (as
+# `norm_ops`): metal/norm.metal, one threadgroup per token row.
+NORM = KernelSpec("v41_norm", "norm", ("x", "pre", "weight", "rope_cos", "rope_sin", "eps"),
+                  ("y", "y32", "q8"), "norm.metal", _launch, _probe, norm_ops,
+                  headers=("v41_common.h",), exact=False)
 
 
 def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
@@ -249,18 +232,17 @@ def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
         outputs: names from OUTPUTS: "y" the bf16 result, "y32" its fp32 copy, "fp8" its
             act_fp8 quantise-dequantise in `fp8_dtype`.
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use where the kernel applies,
+        run: an already built kernel (`NORM.build(factory)`) to use where the kernel applies,
             e.g. the Metal simulator's in tests.
     Returns:
         The outputs asked for, in order, each [..., D]: the ops' values, or the kernel's within
         its tolerance (`check_close`).
     """
     given = use_kernel
-    use_kernel, run = chosen("norm", use_kernel, run)
+    run = NORM.choose(use_kernel, run)
     args = (x, weight, eps, pre, products, rope, positions, outputs, fp8_dtype)
-    if ((run is None and (not use_kernel or not metal_applies()))
-            or not applies(x, weight, pre, rope, positions)):
+    if run is None or not applies(x, weight, pre, rope, positions):
         # the steps one by one, act_fp8 through its own dispatcher (its kernel where one is
         # active; the same bits as `norm_ops`)
         return norm_ops(*args, rounding=functools.partial(act_fp8, use_kernel=given))
-    return (run or _metal_run())(*args)
+    return run(*args)

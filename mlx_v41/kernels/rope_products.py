@@ -11,15 +11,13 @@ multiply-add may move a value by one bf16 rounding: CHECK_TOLERANCE.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from ..numerics.rope import RoPE
-from .builder import build_kernel, metal_applies
-from .check import assert_close, verified
-from .context import chosen
+from .check import assert_close
+from .spec import KernelSpec
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 THREADS = 256  # threads per threadgroup (one per pair)
@@ -41,24 +39,13 @@ def angles_of(rope: RoPE, positions, length: int):
     return rope.cos_sin(key)
 
 
-def build_rope_products(metal_kernel=None):
-    """The kernel as `run(products, rope, positions)`, built from metal/rope_products.metal with
-    `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_rope_products", ["products", "cosines", "sines"], ["out"],
-                          "rope_products.metal",
-                          header_files=("v41_common.h", "attention_prep.h"),
-                          factory=metal_kernel)
-
-    def run(products: mx.array, rope: RoPE, positions) -> mx.array:
-        cos, sin = angles_of(rope, positions, products.shape[1])
-        pairs = products.size // 2
-        out, = kernel(inputs=[products, cos, sin], grid=(pairs, 1, 1),
-                      threadgroup=(min(THREADS, pairs), 1, 1),
-                      output_shapes=[products.shape], output_dtypes=[mx.bfloat16])
-        return out
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, products: mx.array, rope: RoPE, positions) -> mx.array:
+    cos, sin = angles_of(rope, positions, products.shape[1])
+    pairs = products.size // 2
+    out, = kernel(inputs=[products, cos, sin], grid=(pairs, 1, 1),
+                  threadgroup=(min(THREADS, pairs), 1, 1),
+                  output_shapes=[products.shape], output_dtypes=[mx.bfloat16])
+    return out
 
 
 def probe_input(heads: int = 3, dim: int = 64) -> mx.array:
@@ -79,15 +66,11 @@ def _probe(run, ops) -> None:
     assert_close("rope_products", run(x, rope, 65531), ops(x, rope, 65531), CHECK_TOLERANCE)
 
 
-def build_checked_rope_products(metal_kernel=None):
-    """`build_rope_products(metal_kernel)` if it passes its self-check, else the ops."""
-    return verified("v41_rope_products", lambda: build_rope_products(metal_kernel), _probe,
-                    rope_products_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_rope_products()
+# The kernel as `run(products, rope, positions)`: metal/rope_products.metal, the bf16 rounding
+# and the rotation in one launch.
+ROPE_PRODUCTS = KernelSpec("v41_rope_products", "rope_products", ("products", "cosines", "sines"),
+                           ("out",), "rope_products.metal", _launch, _probe, rope_products_ops,
+                           headers=("v41_common.h", "attention_prep.h"), exact=False)
 
 
 def applies(products: mx.array, rope: RoPE, positions) -> bool:
@@ -108,13 +91,12 @@ def rope_products(products: mx.array, rope: RoPE, positions, use_kernel: Optiona
         rope: the layer's RoPE (rotates the last `rope.rope_dim` channels of each head).
         positions: [S] absolute positions of axis 1, or the int position of its first row.
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use where it applies, e.g. the
-            Metal simulator's in tests.
+        run: an already built kernel (`ROPE_PRODUCTS.build(factory)`) to use where it applies,
+            e.g. the Metal simulator's in tests.
     Returns:
         [B, S, H, D] bf16, `rope(products.astype(bf16), positions)` within CHECK_TOLERANCE.
     """
-    use_kernel, run = chosen("rope_products", use_kernel, run)
-    if ((run is None and (not use_kernel or not metal_applies()))
-            or not applies(products, rope, positions)):
+    run = ROPE_PRODUCTS.choose(use_kernel, run)
+    if run is None or not applies(products, rope, positions):
         return rope_products_ops(products, rope, positions)
-    return (run or _metal_run())(products, rope, positions)
+    return run(products, rope, positions)

@@ -23,9 +23,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .builder import build_kernel, metal_applies
-from .check import assert_close, assert_equal, verified
-from .context import chosen
+from .check import assert_close, assert_equal
+from .spec import KernelSpec
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is linear above this
 ROUTER_EPS = 1e-20
@@ -84,49 +83,39 @@ def by_id(ids: mx.array, weights: mx.array):
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(weights, order, axis=-1)
 
 
-def build_router(metal_kernel=None):
-    """The Metal path as `run(x, weight, bias, bias_vl, image_mask, top_k, route_scale)`:
-    `router_logits`, then the kernel of metal/router.metal (built with `metal_kernel`,
-    mx.fast.metal_kernel by default; tests pass the simulator) as
-    `run.select(logits, bias, bias_vl, image_mask, top_k, route_scale)`."""
-    kernel = build_kernel("v41_router", ["logits", "bias", "bias_vl", "mask", "route_scale"],
-                          ["ids", "weights"], "router.metal", factory=metal_kernel)
+def _select(kernel, logits, bias, bias_vl, image_mask, top_k: int, route_scale: float):
+    """The kernel's part of the Metal path (the built run's `select`): from fp32 logits, as
+    `select_ops`."""
+    experts = logits.shape[-1] if logits.ndim else 0
+    if not 1 <= top_k <= experts or experts > MAX_EXPERTS:
+        raise ValueError(f"router: top_k {top_k} of {experts} experts (at most {MAX_EXPERTS})")
+    if logits.dtype != mx.float32:
+        raise ValueError(f"router: logits must be float32, got {logits.dtype}")
+    if bias.shape != (experts,) or bias_vl.shape != (experts,):
+        raise ValueError(f"router: bias {bias.shape}, bias_vl {bias_vl.shape} do not fit "
+                         f"{experts} experts")
+    lead = logits.shape[:-1]
+    rows = logits.size // experts
+    if image_mask is not None and image_mask.size != rows:
+        raise ValueError(f"router: image_mask {image_mask.shape} does not fit the rows {lead}")
+    if rows == 0:
+        return (mx.zeros((*lead, top_k), mx.uint32), mx.zeros((*lead, top_k), mx.float32))
+    # Without a mask, `mask` is bound to the bias (never read: MASKED is false).
+    mask = bias if image_mask is None else image_mask.reshape(rows)
+    ids, weights = kernel(
+        inputs=[logits.reshape(rows, experts), bias.astype(mx.float32),
+                bias_vl.astype(mx.float32), mask, float(route_scale)],
+        template=[("E", experts), ("K", top_k), ("MASKED", image_mask is not None)],
+        grid=(32, rows, 1), threadgroup=(32, min(rows, ROWS_PER_GROUP), 1),
+        output_shapes=[(rows, top_k), (rows, top_k)], output_dtypes=[mx.uint32, mx.float32])
+    return ids.reshape(*lead, top_k), weights.reshape(*lead, top_k)
 
-    def select(logits, bias, bias_vl, image_mask, top_k: int, route_scale: float):
-        experts = logits.shape[-1] if logits.ndim else 0
-        if not 1 <= top_k <= experts or experts > MAX_EXPERTS:
-            raise ValueError(f"router: top_k {top_k} of {experts} experts (at most "
-                             f"{MAX_EXPERTS})")
-        if logits.dtype != mx.float32:
-            raise ValueError(f"router: logits must be float32, got {logits.dtype}")
-        if bias.shape != (experts,) or bias_vl.shape != (experts,):
-            raise ValueError(f"router: bias {bias.shape}, bias_vl {bias_vl.shape} do not fit "
-                             f"{experts} experts")
-        lead = logits.shape[:-1]
-        rows = logits.size // experts
-        if image_mask is not None and image_mask.size != rows:
-            raise ValueError(f"router: image_mask {image_mask.shape} does not fit the rows "
-                             f"{lead}")
-        if rows == 0:
-            return (mx.zeros((*lead, top_k), mx.uint32), mx.zeros((*lead, top_k), mx.float32))
-        # Without a mask, `mask` is bound to the bias (never read: MASKED is false).
-        mask = bias if image_mask is None else image_mask.reshape(rows)
-        ids, weights = kernel(
-            inputs=[logits.reshape(rows, experts), bias.astype(mx.float32),
-                    bias_vl.astype(mx.float32), mask, float(route_scale)],
-            template=[("E", experts), ("K", top_k), ("MASKED", image_mask is not None)],
-            grid=(32, rows, 1), threadgroup=(32, min(rows, ROWS_PER_GROUP), 1),
-            output_shapes=[(rows, top_k), (rows, top_k)], output_dtypes=[mx.uint32, mx.float32])
-        return ids.reshape(*lead, top_k), weights.reshape(*lead, top_k)
 
-    def run(x, weight, bias, bias_vl, image_mask, top_k: int, route_scale: float):
-        if weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != weight.shape[1]:
-            raise ValueError(f"router: x {x.shape} does not fit weight {weight.shape}")
-        return select(router_logits(x, weight), bias, bias_vl, image_mask, top_k, route_scale)
-
-    run.select = select
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, x, weight, bias, bias_vl, image_mask, top_k: int, route_scale: float):
+    if weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"router: x {x.shape} does not fit weight {weight.shape}")
+    return _select(kernel, router_logits(x, weight), bias, bias_vl, image_mask, top_k,
+                   route_scale)
 
 
 def _probe(run, ops) -> None:
@@ -142,14 +131,12 @@ def _probe(run, ops) -> None:
     assert_close("router weights", got[1], want[1], CHECK_TOLERANCE)
 
 
-def build_checked_router(metal_kernel=None):
-    """`build_router(metal_kernel)` if it passes its self-check, else `router_ops`."""
-    return verified("v41_router", lambda: build_router(metal_kernel), _probe, router_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_router()
+# The Metal path as `run(x, weight, bias, bias_vl, image_mask, top_k, route_scale)`:
+# `router_logits`, then metal/router.metal as `run.select(logits, bias, bias_vl, image_mask,
+# top_k, route_scale)`.
+ROUTER = KernelSpec("v41_router", "router", ("logits", "bias", "bias_vl", "mask", "route_scale"),
+                    ("ids", "weights"), "router.metal", _launch, _probe, router_ops,
+                    exact=False, methods=(("select", _select),))
 
 
 def router(x: mx.array, weight: mx.array, bias: mx.array, bias_vl: mx.array,
@@ -163,14 +150,14 @@ def router(x: mx.array, weight: mx.array, bias: mx.array, bias_vl: mx.array,
         image_mask: None, or [...] bool: the rows that select with `bias_vl`.
         top_k: experts per token; route_scale: the weights' scale.
         use_kernel: use the Metal path (MLX's matmul, then the kernel) when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
+        run: an already built kernel (`ROUTER.build(factory)`) to use unconditionally, e.g. the
             Metal simulator's in tests.
         ops_order: the ids in the ops' order (the reference goldens' captures): the ops.
     Returns:
         (ids [..., k] uint32, weights [..., k] fp32). The kernel's ids are ordered by key, the
         ops' as argpartition leaves them; the weights follow their ids.
     """
-    use_kernel, run = chosen("router", use_kernel, run)
-    if ops_order or (run is None and (not use_kernel or not metal_applies())):
+    run = ROUTER.choose(use_kernel, run)
+    if ops_order or run is None:
         return router_ops(x, weight, bias, bias_vl, image_mask, top_k, route_scale)
-    return (run or _metal_run())(x, weight, bias, bias_vl, image_mask, top_k, route_scale)
+    return run(x, weight, bias, bias_vl, image_mask, top_k, route_scale)

@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..numerics.quant import FP4_E4M3_BLOCK, pack_fp4_e4m3, unpack_fp4_e4m3
-from .builder import build_kernel, device_buffer, metal_applies
-from .check import assert_close, verified
-from .context import chosen
+from .builder import device_buffer
+from .check import assert_close
+from .spec import KernelSpec
 
 RUNNING_MAX_FLOOR = -1e30  # finite: a query with no keys yields 0, not NaN
 MAX_HEAD_DIM = 512  # kernel limit: 16 channels per lane, SIMDGROUPS x D fp32 of threadgroup memory
@@ -111,44 +111,31 @@ def heads_per_group(heads: int, head_dim: int) -> int:
     return next(h for h in (16, 8, 4, 2, 1) if h <= limit and heads % h == 0)
 
 
-def build_sparse_attention(metal_kernel=None):
-    """The kernel as `run(q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
-    simdgroups=SIMDGROUPS)`, built from metal/sparse_attention.metal with `metal_kernel`
-    (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel(
-        "v41_sparse_attention",
-        ["q", "window", "packed", "rows", "sinks", "scale", "window_size", "n_rows", "topk"],
-        ["out"],
-        "sparse_attention.metal", header_files=("v41_common.h",), factory=metal_kernel)
-
-    def run(q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
+def _launch(kernel, q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
             simdgroups=SIMDGROUPS):
-        batch, length, num_heads, dim = q.shape
-        group = heads or heads_per_group(num_heads, dim)
-        total, topk = packed_kv.shape[1], rows.shape[-1]
-        # Every array input keeps >= 8 elements so it binds as `device` (MLX binds smaller
-        # arrays as `constant`, a different kernel). Empty inputs become constant placeholders
-        # that are never read; a short `rows` is padded with empty entries (no effect).
-        if total == 0:
-            packed_kv = _placeholder((1, 1, 8), mx.uint8)
-        if topk == 0:
-            rows = _placeholder((8,), mx.int32)
-        elif rows.size < 8:
-            pad = mx.full((batch, length, -(-8 // (batch * length)) - topk), -1, dtype=mx.int32)
-            rows = mx.concatenate([rows.astype(mx.int32), pad], axis=-1)
-            topk = rows.shape[-1]
-        sinks = device_buffer(sinks)
-        threads = 32 * simdgroups
-        out, = kernel(
-            inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, float(scale),
-                    int(window_size), int(total), int(topk)],
-            template=[("HEAD_DIM", dim), ("HEADS_PER_GROUP", group), ("SIMDGROUPS", simdgroups)],
-            grid=(threads * (num_heads // group), batch * length, 1),
-            threadgroup=(threads, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.bfloat16])
-        return out
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+    batch, length, num_heads, dim = q.shape
+    group = heads or heads_per_group(num_heads, dim)
+    total, topk = packed_kv.shape[1], rows.shape[-1]
+    # Every array input keeps >= 8 elements so it binds as `device` (MLX binds smaller
+    # arrays as `constant`, a different kernel). Empty inputs become constant placeholders
+    # that are never read; a short `rows` is padded with empty entries (no effect).
+    if total == 0:
+        packed_kv = _placeholder((1, 1, 8), mx.uint8)
+    if topk == 0:
+        rows = _placeholder((8,), mx.int32)
+    elif rows.size < 8:
+        pad = mx.full((batch, length, -(-8 // (batch * length)) - topk), -1, dtype=mx.int32)
+        rows = mx.concatenate([rows.astype(mx.int32), pad], axis=-1)
+        topk = rows.shape[-1]
+    sinks = device_buffer(sinks)
+    threads = 32 * simdgroups
+    out, = kernel(
+        inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, float(scale),
+                int(window_size), int(total), int(topk)],
+        template=[("HEAD_DIM", dim), ("HEADS_PER_GROUP", group), ("SIMDGROUPS", simdgroups)],
+        grid=(threads * (num_heads // group), batch * length, 1),
+        threadgroup=(threads, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.bfloat16])
+    return out
 
 
 @functools.cache
@@ -174,15 +161,13 @@ def _probe(run, ops) -> None:
     assert_close("sparse_attention", run(*args), ops(*args), CHECK_TOLERANCE)
 
 
-def build_checked_sparse_attention(metal_kernel=None):
-    """`build_sparse_attention(metal_kernel)` if it passes its self-check, else the ops."""
-    return verified("v41_sparse_attention", lambda: build_sparse_attention(metal_kernel), _probe,
-                    sparse_attention_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_sparse_attention()
+# The kernel as `run(q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
+# simdgroups=SIMDGROUPS)`: metal/sparse_attention.metal, one pass with an online softmax.
+SPARSE_ATTENTION = KernelSpec(
+    "v41_sparse_attention", "sparse_attention",
+    ("q", "window", "packed", "rows", "sinks", "scale", "window_size", "n_rows", "topk"),
+    ("out",), "sparse_attention.metal", _launch, _probe, sparse_attention_ops,
+    headers=("v41_common.h",))
 
 
 def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,
@@ -199,20 +184,18 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
         scale: score scale (head_dim ** -0.5).
         window_size: sliding-window length.
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
-            Metal simulator's in tests.
+        run: an already built kernel (`SPARSE_ATTENTION.build(factory)`) to use unconditionally,
+            e.g. the Metal simulator's in tests.
     Returns:
         [B, S, H, d] bf16.
     """
-    use_kernel, run = chosen("sparse_attention", use_kernel, run)
     batch, length, num_heads, dim = q.shape
     if packed_kv.shape[-1] != packed_row_bytes(dim) or packed_kv.dtype != mx.uint8:
         raise ValueError(f"packed_kv must be uint8 rows of {packed_row_bytes(dim)} bytes for "
                          f"head_dim {dim}, got {packed_kv.dtype} {packed_kv.shape}")
-    if run is not None:
-        return run(q, window, packed_kv, rows, sinks, scale, window_size)
-    if (not use_kernel or not metal_applies() or q.dtype != mx.bfloat16
-            or window.dtype != mx.bfloat16 or dim % 32 or dim > MAX_HEAD_DIM
-            or q.size == 0 or window_size < 1):
+    run = SPARSE_ATTENTION.choose(use_kernel, run, applies=(
+        q.dtype == mx.bfloat16 and window.dtype == mx.bfloat16 and dim % 32 == 0
+        and dim <= MAX_HEAD_DIM and q.size > 0 and window_size >= 1))
+    if run is None:
         return sparse_attention_ops(q, window, packed_kv, rows, sinks, scale, window_size)
-    return _metal_run()(q, window, packed_kv, rows, sinks, scale, window_size)
+    return run(q, window, packed_kv, rows, sinks, scale, window_size)

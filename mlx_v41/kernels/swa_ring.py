@@ -10,7 +10,6 @@ ops path scatters the rows and lets MLX reuse the ring's buffer when nothing els
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -18,9 +17,9 @@ import numpy as np
 
 from ..numerics.fp8_activation import act_fp8_qdq, pack_fp8_e8m0
 from ..numerics.quant import ACT_FP8_BLOCK
-from .builder import build_kernel, metal_applies, simd_threadgroup
-from .check import assert_equal, verified
-from .context import chosen
+from .builder import simd_threadgroup
+from .check import assert_equal
+from .spec import KernelSpec
 
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -57,23 +56,14 @@ def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset: int) -> mx.array
     return mx.put_along_axis(ring, index, values, axis=1)
 
 
-def build_swa_ring_update(metal_kernel=None):
-    """The kernel as `run(ring, rows, offset)`, built from metal/swa_ring.metal with `metal_kernel`
-    (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_swa_ring_update", ["ring", "rows", "offset"], ["out"],
-                          "swa_ring.metal", header_files=("v41_common.h",), factory=metal_kernel)
-
-    def run(ring: mx.array, rows: mx.array, offset: int) -> mx.array:
-        threads = ring.shape[0] * ring.shape[1] * rows.shape[-1]
-        packed = is_packed_ring(ring, rows.shape[-1])
-        out, = kernel(inputs=[ring, rows, int(offset)],
-                      template=[("T", ring.dtype), ("PACKED", packed)],
-                      grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
-                      output_shapes=[ring.shape], output_dtypes=[ring.dtype])
-        return out
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, ring: mx.array, rows: mx.array, offset: int) -> mx.array:
+    threads = ring.shape[0] * ring.shape[1] * rows.shape[-1]
+    packed = is_packed_ring(ring, rows.shape[-1])
+    out, = kernel(inputs=[ring, rows, int(offset)],
+                  template=[("T", ring.dtype), ("PACKED", packed)],
+                  grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
+                  output_shapes=[ring.shape], output_dtypes=[ring.dtype])
+    return out
 
 
 def _probe(run, ops) -> None:
@@ -84,15 +74,11 @@ def _probe(run, ops) -> None:
     assert_equal("swa_ring_update", run(ring, rows, 6), ops(ring, rows, 6))
 
 
-def build_checked_swa_ring_update(metal_kernel=None):
-    """`build_swa_ring_update(metal_kernel)` if it passes its self-check, else the ops."""
-    return verified("v41_swa_ring_update", lambda: build_swa_ring_update(metal_kernel), _probe,
-                    swa_ring_update_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_swa_ring_update()
+# The kernel as `run(ring, rows, offset)`: metal/swa_ring.metal, rounding (or packing) and the
+# slot writes in one launch.
+SWA_RING_UPDATE = KernelSpec("v41_swa_ring_update", "swa_ring_update", ("ring", "rows", "offset"),
+                             ("out",), "swa_ring.metal", _launch, _probe, swa_ring_update_ops,
+                             headers=("v41_common.h",))
 
 
 def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: Optional[bool] = None,
@@ -107,18 +93,16 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: Opt
             last R rows are kept.
         offset: absolute position of rows[:, 0] (>= 0).
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
-            Metal simulator's in tests.
+        run: an already built kernel (`SWA_RING_UPDATE.build(factory)`) to use unconditionally,
+            e.g. the Metal simulator's in tests.
     Returns:
         The new ring, same shape and dtype; the kept rows' slots hold act_fp8_qdq(rows) or
         pack_fp8_e8m0(rows).
     """
-    use_kernel, run = chosen("swa_ring_update", use_kernel, run)
     packed = is_packed_ring(ring, rows.shape[-1])
-    if run is not None:
-        return run(ring, rows, offset)
-    if (not use_kernel or not metal_applies() or rows.shape[1] == 0
-            or rows.dtype not in _FLOAT_DTYPES or not (packed or ring.dtype == rows.dtype)
-            or rows.shape[-1] % ACT_FP8_BLOCK or offset < 0):
+    run = SWA_RING_UPDATE.choose(use_kernel, run, applies=(
+        rows.shape[1] > 0 and rows.dtype in _FLOAT_DTYPES and (packed or ring.dtype == rows.dtype)
+        and rows.shape[-1] % ACT_FP8_BLOCK == 0 and offset >= 0))
+    if run is None:
         return swa_ring_update_ops(ring, rows, offset)
-    return _metal_run()(ring, rows, offset)
+    return run(ring, rows, offset)

@@ -21,10 +21,10 @@ import mlx.core as mx
 
 from ..numerics.fp8_activation import act_fp8_qdq
 from ..numerics.quant import ACT_FP8_BLOCK
-from .builder import build_kernel, metal_applies, simd_threadgroup
 from .act_fp8 import act_fp8
-from .check import assert_close, verified
-from .context import chosen
+from .builder import simd_threadgroup
+from .check import assert_close
+from .spec import KernelSpec
 
 # Of the largest output: one E4M3 step at the top of a block is 32/448 of its maximum, and a
 # last-bit difference of exp can move one value by that step (or a block's scale by 2x).
@@ -60,29 +60,19 @@ def swiglu_act_fp8_ops(gate: mx.array, up: mx.array, weights, limit: float) -> m
     return act_fp8_qdq(act, mx.float32)
 
 
-def build_swiglu_act_fp8(metal_kernel=None):
-    """The kernel as `run(gate, up, weights, limit)`, built from metal/swiglu_act_fp8.metal
-    with `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_swiglu_act_fp8", ["gate", "up", "weight", "limit"], ["out"],
-                          "swiglu_act_fp8.metal", header_files=("v41_common.h",),
-                          factory=metal_kernel)
-
-    def run(gate: mx.array, up: mx.array, weights, limit: float) -> mx.array:
-        if gate.shape != up.shape:
-            raise ValueError(f"swiglu_act_fp8: gate {gate.shape} and up {up.shape} differ")
-        width, size = gate.shape[-1], gate.size
-        if weights is not None and weights.size * width != size:
-            raise ValueError(f"swiglu_act_fp8: {weights.size} weights for {size // width} rows")
-        # Unweighted: `weight` is bound to gate (never read; W is false).
-        weight = gate if weights is None else weights.reshape(-1)
-        out, = kernel(inputs=[gate.reshape(-1), up.reshape(-1), weight, float(limit)],
-                      template=[("I", width), ("W", weights is not None)],
-                      grid=(size, 1, 1), threadgroup=(simd_threadgroup(size), 1, 1),
-                      output_shapes=[(size,)], output_dtypes=[mx.float32])
-        return out.reshape(gate.shape)
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, gate: mx.array, up: mx.array, weights, limit: float) -> mx.array:
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu_act_fp8: gate {gate.shape} and up {up.shape} differ")
+    width, size = gate.shape[-1], gate.size
+    if weights is not None and weights.size * width != size:
+        raise ValueError(f"swiglu_act_fp8: {weights.size} weights for {size // width} rows")
+    # Unweighted: `weight` is bound to gate (never read; W is false).
+    weight = gate if weights is None else weights.reshape(-1)
+    out, = kernel(inputs=[gate.reshape(-1), up.reshape(-1), weight, float(limit)],
+                  template=[("I", width), ("W", weights is not None)],
+                  grid=(size, 1, 1), threadgroup=(simd_threadgroup(size), 1, 1),
+                  output_shapes=[(size,)], output_dtypes=[mx.float32])
+    return out.reshape(gate.shape)
 
 
 def _probe(run, ops) -> None:
@@ -96,15 +86,12 @@ def _probe(run, ops) -> None:
                  ops(gate, up, weights, 10.0), CHECK_TOLERANCE)
 
 
-def build_checked_swiglu_act_fp8(metal_kernel=None):
-    """`build_swiglu_act_fp8(metal_kernel)` if it passes its self-check, else its ops."""
-    return verified("v41_swiglu_act_fp8", lambda: build_swiglu_act_fp8(metal_kernel), _probe,
-                    swiglu_act_fp8_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_swiglu_act_fp8()
+# The kernel as `run(gate, up, weights, limit)`: metal/swiglu_act_fp8.metal, the SwiGLU and
+# its act_fp8 in one launch.
+SWIGLU_ACT_FP8 = KernelSpec("v41_swiglu_act_fp8", "swiglu_act_fp8",
+                            ("gate", "up", "weight", "limit"), ("out",), "swiglu_act_fp8.metal",
+                            _launch, _probe, swiglu_act_fp8_ops, headers=("v41_common.h",),
+                            exact=False)
 
 
 def swiglu_act_fp8(gate: mx.array, up: mx.array, weights, limit: float,
@@ -116,20 +103,20 @@ def swiglu_act_fp8(gate: mx.array, up: mx.array, weights, limit: float,
         weights: None, or one routed weight per row of I values ([..., 1], fp32).
         limit: the SwiGLU clamp (`swiglu_limit`).
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use unconditionally, e.g. the
-            Metal simulator's in tests.
+        run: an already built kernel (`SWIGLU_ACT_FP8.build(factory)`) to use unconditionally,
+            e.g. the Metal simulator's in tests.
     Returns:
         [..., I] fp32: `swiglu_act_fp8_ops(gate, up, weights, limit)`, to the kernel's stated
         tolerance (see the module docstring).
     """
     given = use_kernel
-    use_kernel, run = chosen("swiglu_act_fp8", use_kernel, run)
+    run = SWIGLU_ACT_FP8.choose(use_kernel, run)
     if gate.size == 0 or gate.shape[-1] % ACT_FP8_BLOCK or gate.dtype != mx.float32:
         return swiglu_act_fp8_ops(gate, up, weights, limit)  # also its error for a bad width
-    if run is None and (not use_kernel or not metal_applies()):
+    if run is None:
         # the two steps: the compiled SwiGLU, then act_fp8 through its own dispatcher (the
         # same bits as the ops; its kernel where one is active)
         swiglu_fn = compiled_swiglu_of_products(limit, weights is not None)
         act = swiglu_fn(gate, up) if weights is None else swiglu_fn(gate, up, weights)
         return act_fp8(act, mx.float32, use_kernel=given)
-    return (run or _metal_run())(gate, up, weights, limit)
+    return run(gate, up, weights, limit)

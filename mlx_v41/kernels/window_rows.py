@@ -9,16 +9,15 @@ bit.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..numerics.quant import ACT_FP8_BLOCK, unpack_fp8_e8m0
-from .builder import build_kernel, metal_applies, simd_threadgroup
-from .check import assert_equal, verified
-from .context import chosen
+from .builder import simd_threadgroup
+from .check import assert_equal
+from .spec import KernelSpec
 from .swa_ring import swa_ring_update_ops
 
 
@@ -38,25 +37,15 @@ def window_rows_ops(ring: mx.array, rows: mx.array, position: int, count: int,
     return rows[:, skip:]
 
 
-def build_window_rows(metal_kernel=None):
-    """The kernel as `run(ring, rows, position, count, skip)`, built from metal/window_rows.metal
-    with `metal_kernel` (mx.fast.metal_kernel by default; tests pass the simulator)."""
-    kernel = build_kernel("v41_window_rows", ["ring", "rows", "position", "count", "skip"],
-                          ["out"], "window_rows.metal",
-                          header_files=("v41_common.h", "attention_prep.h"),
-                          factory=metal_kernel)
-
-    def run(ring: mx.array, rows: mx.array, position: int, count: int, skip: int) -> mx.array:
-        batch, fresh, width = rows.shape
-        shape = (batch, count + fresh - skip, width)
-        threads = shape[0] * shape[1] * width
-        out, = kernel(inputs=[ring, rows, int(position), int(count), int(skip)],
-                      grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
-                      output_shapes=[shape], output_dtypes=[mx.bfloat16])
-        return out
-
-    run.kernel = kernel  # the factory's kernel object (tests read its generated text)
-    return run
+def _launch(kernel, ring: mx.array, rows: mx.array, position: int, count: int,
+            skip: int) -> mx.array:
+    batch, fresh, width = rows.shape
+    shape = (batch, count + fresh - skip, width)
+    threads = shape[0] * shape[1] * width
+    out, = kernel(inputs=[ring, rows, int(position), int(count), int(skip)],
+                  grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
+                  output_shapes=[shape], output_dtypes=[mx.bfloat16])
+    return out
 
 
 def _probe(run, ops) -> None:
@@ -70,15 +59,11 @@ def _probe(run, ops) -> None:
     assert_equal("window_rows", run(ring, rows, 17, 5, 1), ops(ring, rows, 17, 5, 1))
 
 
-def build_checked_window_rows(metal_kernel=None):
-    """`build_window_rows(metal_kernel)` if it passes its self-check, else `window_rows_ops`."""
-    return verified("v41_window_rows", lambda: build_window_rows(metal_kernel), _probe,
-                    window_rows_ops)
-
-
-@functools.cache
-def _metal_run():
-    return build_checked_window_rows()
+# The kernel as `run(ring, rows, position, count, skip)`: metal/window_rows.metal.
+WINDOW_ROWS = KernelSpec("v41_window_rows", "window_rows",
+                         ("ring", "rows", "position", "count", "skip"), ("out",),
+                         "window_rows.metal", _launch, _probe, window_rows_ops,
+                         headers=("v41_common.h", "attention_prep.h"))
 
 
 def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip: int = 0,
@@ -94,21 +79,21 @@ def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip:
             (0 <= count <= min(position, R)).
         skip: leading rows of the concatenation to leave out (0 <= skip <= count + S).
         use_kernel: use the Metal kernel when it applies.
-        run: an already built kernel (`build_*(factory)`) to use where it applies, e.g. the
-            Metal simulator's in tests.
+        run: an already built kernel (`WINDOW_ROWS.build(factory)`) to use where it applies,
+            e.g. the Metal simulator's in tests.
     Returns:
         [B, count + S - skip, D] bf16, identical to `window_rows_ops`.
     """
-    use_kernel, run = chosen("window_rows", use_kernel, run)
     capacity = 0 if ring is None else ring.shape[1]
     if not 0 <= count <= min(position, capacity) or not 0 <= skip <= count + rows.shape[1]:
         raise ValueError(f"window_rows: cannot read {count} ring rows before position "
                          f"{position} (a ring of {capacity} slots) and leave out {skip} of "
                          f"{count + rows.shape[1]} rows")
     width = rows.shape[-1]
-    if ((run is None and (not use_kernel or not metal_applies())) or count == 0
+    run = WINDOW_ROWS.choose(use_kernel, run)
+    if (run is None or count == 0
             or count + rows.shape[1] == skip or rows.ndim != 3 or rows.dtype != mx.bfloat16
             or ring.dtype != mx.uint8 or ring.shape[0] != rows.shape[0]
             or width % ACT_FP8_BLOCK or ring.shape[-1] != width + width // ACT_FP8_BLOCK):
         return window_rows_ops(ring, rows, position, count, skip)  # also its errors
-    return (run or _metal_run())(ring, rows, position, count, skip)
+    return run(ring, rows, position, count, skip)

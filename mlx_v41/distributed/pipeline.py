@@ -141,6 +141,22 @@ class Stage:
         return streams, pre
 
 
+NO_FEATURES = mx.zeros((0,), mx.float32)  # a weight for rows with no features
+
+
+class RemoteNorm(nn.Module):
+    """The final norm on a rank before the last: the rows reaching it are ghosts (no
+    features), so it normalises nothing and holds no parameter to load."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    @property
+    def weight(self) -> mx.array:
+        return NO_FEATURES
+
+
 class RemoteBlock(nn.Module):
     """A layer another rank runs: hands real rows over where the ranks change, passes ghosts."""
 
@@ -300,7 +316,7 @@ class PipelineModel(Model):
         if not (stage.first or (stage.last and self._drafting)):  # the drafter embeds too
             text.pop("embed_tokens")
         if not stage.last:
-            text.norm = nn.Identity()
+            text.norm = RemoteNorm(text.norm.eps)
             self.pop("lm_head")
             if self._drafting:
                 self.pop("dspark")

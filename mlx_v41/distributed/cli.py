@@ -26,7 +26,6 @@ def distributed_loader(args):
     silences stdout on ranks other than 0."""
     from .startup import start_pipeline, start_tensor_parallel
 
-    switch = "--pipeline" if args.pipeline else "--tensor-parallel"
     if args.pipeline and args.tensor_parallel:
         raise ValueError("--pipeline and --tensor-parallel do not combine: choose one")
     if not (args.pipeline or args.tensor_parallel):

@@ -32,7 +32,7 @@ from ..model.model import Block, Model
 from ..model.prefill import Run, run_forward
 from .group import RankGroup
 from .link import Link
-from .split import SplitError, balanced_split, crossing, parse_split
+from .split import balanced_split, crossing, parse_split
 
 
 def ghost(batch: int, rows: int, hc: int):

@@ -1,8 +1,9 @@
 """The server across the ranks of a `--pipeline` / `--tensor-parallel` group: rank 0 serves
 HTTP, decodes the images, and shares each request's work (ids, image spans' grids and
 records, settings, stop strings, processors' fields, DSpark settings, the cached prefix its
-store chose) as one JSON line, then a cancel flag per token and its store's decisions after the request; the other
-ranks follow, their stores applying those decisions to their own shares of the caches."""
+store chose) as one JSON line, then a cancel flag per token and its store's decisions after
+the request; the other ranks follow, their stores applying those decisions to their own shares
+of the caches."""
 
 from __future__ import annotations
 

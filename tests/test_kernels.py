@@ -454,7 +454,6 @@ def test_sparse_attention_ops_row_blocks_are_exact(monkeypatch):
     assert not mx.isnan(whole.astype(mx.float32)).any()
 
 
-
 def test_small_kernel_inputs_are_padded_once_per_array():
     """Kernel inputs of fewer than 8 floats (a layer's 3 mix scales, a small model's attention
     sinks) are zero-padded to 8 once per array, not a Full and a Concatenate per call, and a

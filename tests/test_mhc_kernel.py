@@ -48,7 +48,6 @@ def test_mhc_kernel_on_a_model_block(goldens, tiny_model):
     _close(mhc(*args, run=MHC.build(checked)), mhc(*args, use_kernel=False))
 
 
-
 def _expand_args(rng, lead, dim, iters, y_dtype):
     residual = mx.array(rng.standard_normal(lead + (4, dim)).astype(np.float32) * 4)
     y = mx.array(rng.standard_normal(lead + (dim,)).astype(np.float32) * 3).astype(y_dtype)

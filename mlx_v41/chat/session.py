@@ -30,9 +30,7 @@ DEFAULT_MAX_TOKENS = 256  # mlx-lm chat's default
 SESSION_FORMAT = "mlx_v41.chat_session.v1"
 
 
-
 CACHE_SOURCES = ("reply", "prompt snapshot")  # the candidates a turn may continue, in order
-
 
 
 @dataclass
@@ -52,7 +50,6 @@ class TurnStats:
     drafts: Optional[DraftStats] = None  # with speculative decoding: the reply's drafts
 
 
-
 @dataclass
 class _Reply:
     """A reply in progress: its text, token ids and last response."""
@@ -60,7 +57,6 @@ class _Reply:
     text: str = ""
     tokens: list = field(default_factory=list)
     last: Optional[GenerationResponse] = None
-
 
 
 def assistant_message(text: str, thinking: bool, is_finished: bool) -> dict:
@@ -81,7 +77,6 @@ def assistant_message(text: str, thinking: bool, is_finished: bool) -> dict:
     if calls:
         message["tool_calls"] = calls
     return message
-
 
 
 class ChatSession:
@@ -243,7 +238,6 @@ class ChatSession:
         self.system_prompt = json.loads(meta["system_prompt"])
         self.thinking = json.loads(meta["thinking"])
         self.reasoning_effort = json.loads(meta["reasoning_effort"])
-
 
 
 def format_stats(session: ChatSession) -> str:

@@ -16,13 +16,10 @@ from ..chat import format as cf
 DEMO_VERSION = 1  # bump when the demo checkpoint's recipe changes
 
 
-
 VOCAB_SIZE = 512  # the tiny config's vocabulary
 
 
-
 LEADING_SPECIALS = (cf.BOS, cf.EOS, cf.PAD)  # ids 0, 1, 2 as in the published vocabulary
-
 
 
 # The chat tokens close the vocabulary (504-511): System is the DSpark noise id 504 and the
@@ -31,9 +28,7 @@ CHAT_SPECIALS = (cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK_START, cf.THINK_END,
                  cf.LATEST_REMINDER, cf.IMAGE_PLACEHOLDER)
 
 
-
 MARKER = "DEMO.txt"  # written last: a folder holding it is complete
-
 
 
 CORPUS = """\
@@ -52,12 +47,10 @@ Once upon a time there was a small program that wanted to talk with everyone it 
 """
 
 
-
 def demo_folder() -> Path:
     """Where the demo checkpoint lives: $XDG_CACHE_HOME (or ~/.cache)/mlx_v41/demo-v<N>."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "mlx_v41" / f"demo-v{DEMO_VERSION}"
-
 
 
 def write_demo_tokenizer(folder) -> None:
@@ -89,7 +82,6 @@ def write_demo_tokenizer(folder) -> None:
                                                              ensure_ascii=False))
 
 
-
 def build_demo_checkpoint(folder) -> Path:
     """Write the demo checkpoint (tokenizer, config, shards) into `folder`."""
     from .random_checkpoint import tiny_text_config, write_checkpoint
@@ -101,7 +93,6 @@ def build_demo_checkpoint(folder) -> Path:
     (folder / MARKER).write_text("A tiny random checkpoint made by mlx_v41.demo: its weights "
                                  "are random, so its text is random.\n")
     return folder
-
 
 
 def ensure_demo_checkpoint(folder=None, rebuild: bool = False) -> Path:

@@ -89,7 +89,6 @@ def has_vision_tower(folder) -> bool:
     return _holds(folder, "vision", lambda manifest: manifest.get("extras", {}).get("vision"))
 
 
-
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
                vision: Optional[bool] = None, head_dtype: str = "float32",

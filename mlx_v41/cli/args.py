@@ -16,25 +16,19 @@ from ..generation.speculative import MAX_DRAFT_TOKENS, Sampling
 DEFAULT_PROMPT = "hello"
 
 
-
 DEFAULT_MAX_TOKENS = 100
-
 
 
 DEFAULT_TEMP = 0.0
 
 
-
 DEFAULT_TOP_P = 1.0
-
 
 
 DEFAULT_MIN_P = 0.0
 
 
-
 DEFAULT_TOP_K = 0
-
 
 
 PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder halo; full: "
@@ -43,13 +37,11 @@ PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder
                      "ced/full)")
 
 
-
 class ArgumentParser(argparse.ArgumentParser):
     """Reports a bad flag or value on one line."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
 
 
 def _number(kind, low=None, high=None, what=""):
@@ -64,7 +56,6 @@ def _number(kind, low=None, high=None, what=""):
     return parse
 
 
-
 def _confidence(text):
     try:
         value = float(text)
@@ -73,7 +64,6 @@ def _confidence(text):
     if value is None or not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a probability in (0, 1]")
     return value
-
 
 
 def _effort(text):
@@ -85,7 +75,6 @@ def _effort(text):
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
-
 
 
 def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
@@ -129,12 +118,10 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
              "confidence stays >= this, in (0, 1] (default: all --num-draft-tokens)")
 
 
-
 def make_sampler_from(args):
     from mlx_lm.sample_utils import make_sampler
 
     return make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-
 
 
 def decode_settings(args) -> dict:

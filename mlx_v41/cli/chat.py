@@ -24,15 +24,10 @@ from ..distributed.link import DistributedError, is_backend_error
 from ..generation.group import ONE_PROCESS
 
 
-
-
-
 DEFAULT_SEED = 0
 
 
-
 SIGNAL_POLL_SECONDS = 0.2  # how long a wait for input may hide a Ctrl-C
-
 
 
 HELP = """commands:
@@ -127,7 +122,6 @@ class LineReader:
         return line.decode(errors="replace")
 
 
-
 def _lines(stream):
     """A readline() for `stream`: a LineReader on its descriptor, or its own readline()."""
     try:
@@ -137,7 +131,6 @@ def _lines(stream):
             line = stream.readline()
             return line.removesuffix("\n") if line else None
         return readline
-
 
 
 def repl(session: ChatSession, interactive: bool, out=None, stream=None,
@@ -180,14 +173,12 @@ def repl(session: ChatSession, interactive: bool, out=None, stream=None,
             print(f"error: {e}", file=err, flush=True)
 
 
-
 def setup_arg_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mlx_v41.chat",
                             description="Chat with DeepSeek V4.1 Flash (multi-turn, cached).")
     add_model_arguments(parser, DEFAULT_MAX_TOKENS, DEFAULT_SEED)
     add_distributed_arguments(parser)
     return parser
-
 
 
 def group_ranks(args, group) -> Ranks:
@@ -199,7 +190,6 @@ def group_ranks(args, group) -> Ranks:
     return Ranks(shared_readline(link, local),
                  sys.stderr if link.rank == 0 else open(os.devnull, "w"),
                  "--pipeline" if args.pipeline else "--tensor-parallel", link.rank)
-
 
 
 def main(argv=None) -> int:

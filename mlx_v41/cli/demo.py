@@ -16,10 +16,8 @@ from typing import Optional
 from ..checkpoint.demo import ensure_demo_checkpoint
 
 
-
 def _stage(number: int, text: str) -> None:
     print(f"[{number}] {text}", flush=True)
-
 
 
 def run_demo(prompt: str, max_tokens: int, folder: Optional[Path], rebuild: bool) -> None:
@@ -64,7 +62,6 @@ def run_demo(prompt: str, max_tokens: int, folder: Optional[Path], rebuild: bool
     _stage(6, f"cache: {len(session.live.tokens)} positions, {sizes['total']} bytes (global KV "
               f"{sizes['global_kv']}, window rings {sizes['window']}, other {sizes['other']})")
     print("next: mlx_v41.chat --model demo, or --model <the real checkpoint>")
-
 
 
 def main(argv=None) -> int:

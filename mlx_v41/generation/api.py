@@ -16,14 +16,11 @@ from .group import ONE_PROCESS, ProcessGroup
 from .speculative import DraftStats, check_draft_settings, speculative_steps
 
 
-
 DEFAULT_PREFILL_STEP_SIZE = 2048
-
 
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit the model's context (text_config.max_position_embeddings)."""
-
 
 
 @dataclass
@@ -56,14 +53,12 @@ class GenerationResponse:
     draft_stats: Optional[DraftStats] = None
 
 
-
 def wired_limit(model):
     """mlx-lm's context manager that keeps the weights wired in memory on Metal (and warns
     when they near the recommended working set); it does nothing elsewhere."""
     from mlx_lm.generate import wired_limit as mlx_lm_wired_limit
 
     return mlx_lm_wired_limit(model)
-
 
 
 def check_context(model, start: int, length: int) -> int:
@@ -75,7 +70,6 @@ def check_context(model, start: int, length: int) -> int:
             f"the prompt has {length} tokens{cached}, but the model's context is {limit} tokens "
             "(text_config.max_position_embeddings), leaving no room to generate")
     return limit - start - length
-
 
 
 def prefill(model, tokens: Sequence[int], cache: list, step_size: Optional[int] = None,
@@ -91,7 +85,6 @@ def prefill(model, tokens: Sequence[int], cache: list, step_size: Optional[int] 
                                images=images)
         mx.eval(logits)
     return logits
-
 
 
 def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int] = (),
@@ -124,7 +117,6 @@ def generate_step(model, logits: mx.array, cache: list, *, tokens: Sequence[int]
         mx.async_eval(*following, [c.state for c in cache])
         yield token.item(), logprobs
         token, logprobs = following
-
 
 
 def stream_decode(model, tokenizer, logits, cache, *, prompt_tokens: int, prompt_seconds: float,
@@ -179,7 +171,6 @@ def _steps(model, logits, cache, history, sampler, logits_processors, max_tokens
                              draft_confidence=draft_confidence, stats=stats,
                              logits_processors=logits_processors, history=history,
                              group=group)
-
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array],
@@ -239,7 +230,6 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
                                  draft_confidence=draft_confidence, group=group)
 
 
-
 def _one_sequence(prompt) -> list:
     """Token ids of one sequence: a list, a [S] array or a [1, S] array."""
     if not isinstance(prompt, mx.array):
@@ -268,7 +258,6 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print("=" * 10)
         print_stats(response)
     return text
-
 
 
 def print_stats(response: Optional[GenerationResponse], file=None) -> None:

@@ -26,7 +26,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-
 def shared_spans(keep: int, held: list, wanted: list) -> int:
     """`keep` cut at the first image span before it that the other side lacks or holds from
     another image (records: {"start", "length", "sha256"})."""
@@ -88,7 +87,6 @@ def kept_prefix(common: int, prompt_length: int, held: list, wanted: Sequence[di
     return shared_spans(min(common, prompt_length - 1), held, list(wanted))
 
 
-
 def reuse_prompt_cache(model, prompt: Sequence[int], candidates, images: Sequence[dict] = ()
                        ) -> tuple:
     """(cache, index): a rewound copy of the candidate that keeps the longest prefix of
@@ -103,7 +101,6 @@ def reuse_prompt_cache(model, prompt: Sequence[int], candidates, images: Sequenc
         if kept is not None and (index is None or kept > len(best.tokens)):
             best, index = trial, i
     return best, index
-
 
 
 def write_prompt_cache(path, cache: list, model, metadata: dict,

@@ -82,7 +82,6 @@ def metal_applies() -> bool:
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
-
 def simd_threadgroup(threads: int) -> int:
     """Largest of 256/128/64/32 dividing `threads` (a multiple of 32), for kernels whose
     simdgroups each own one 32-value block: a simd_max needs full, uniform simdgroups and the

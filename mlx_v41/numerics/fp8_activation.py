@@ -71,7 +71,6 @@ def _as_bf16(x: mx.array, is_products: bool) -> mx.array:
     return x.astype(mx.bfloat16) if is_products else x
 
 
-
 def act_fp8_quantize(x: mx.array):
     """FP8 activation quantisation, block 32, E8M0 scale (the reference's `act_quant`).
 

@@ -1,7 +1,7 @@
 """The package is one stack that only points down (docs/architecture.md): every import between
-modules of mlx_v41/, read from the source with the imports inside functions included, goes to
-a module of the same layer or of a layer below, and the modules import each other without
-cycles."""
+modules of mlx_v41/ and of convert/ (installed as mlx_v41.convert), read from the source with
+the imports inside functions included, goes to a module of the same layer or of a layer below,
+and the modules import each other without cycles."""
 
 import ast
 import collections
@@ -10,22 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "mlx_v41"
+CONVERTER = ROOT.parent / "convert"  # the package mlx_v41.convert, by pyproject's package-dir
 
 # The stack, bottom first: each folder (or top-level module) imports only from itself and the
 # layers before it. The `__main__` modules and `mlx_v41/generate.py` are command entry points
 # (the cli layer); `mlx_v41/__init__.py` is the public API on top of everything.
 STACK = ("errors", "numerics", "kernels", "cache", "model", "generation", "chat", "checkpoint",
-         "distributed", "server", "cli")
+         "convert", "distributed", "server", "cli")
 ENTRY_POINTS = {"mlx_v41.generate", "mlx_v41.__main__"}
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if path.is_relative_to(CONVERTER):
+        parts = ["mlx_v41", "convert", *path.relative_to(CONVERTER).with_suffix("").parts]
+    else:
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_modules() -> dict:
-    return {module_name(p): p for p in ROOT.rglob("*.py")}
+    return {module_name(p): p for p in [*ROOT.rglob("*.py"), *CONVERTER.rglob("*.py")]}
 
 
 def imports(modules: dict) -> dict:
@@ -109,6 +113,8 @@ def test_no_import_points_up_the_stack():
     edges = imports(package_modules())
     assert "mlx_v41.numerics.quant" in edges["mlx_v41.kernels.act_fp8"], \
         "the parser found no imports"
+    assert "mlx_v41.checkpoint.converted" in edges["mlx_v41.convert.pipeline"], \
+        "the converter's imports were not read"
     assert upward(edges) == []
 
 

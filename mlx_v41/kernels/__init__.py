@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .act_fp8 import ACT_FP8
-from .context import active, using  # noqa: F401 - the package's API
+from .context import using  # noqa: F401 - the package's API
 from .fp4_pack import FP4_PACK
 from .index_queries import INDEX_QUERIES
 from .mhc import MHC, MHC_EXPAND
@@ -36,7 +36,7 @@ class Kernels:
     swa_ring_update: Optional[Callable] = None
     mhc: Optional[Callable] = None
     act_fp8: Optional[Callable] = None
-    # Fused kernels of the Metal path (issue 13), within a stated tolerance of their ops:
+    # Fused kernels of the Metal path, within a stated tolerance of their ops:
     norm: Optional[Callable] = None            # norm.py: [collapse ->] RMSNorm [-> RoPE, act_fp8]
     router: Optional[Callable] = None          # router.py: MoE gate scores -> top-k ids, weights
     swiglu_act_fp8: Optional[Callable] = None  # kernels/swiglu.py: clamped SwiGLU [x w] -> act_fp8

@@ -23,11 +23,6 @@ def using(kernels):
         _ACTIVE.reset(token)
 
 
-def active():
-    """The active `Kernels`, or None (the defaults)."""
-    return _ACTIVE.get()
-
-
 def chosen(field: str, use_kernel: Optional[bool] = None,
            run: Optional[Callable] = None) -> tuple:
     """(use_kernel, run) for the dispatcher of the `Kernels` field `field`: the caller's own

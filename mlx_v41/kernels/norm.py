@@ -1,4 +1,4 @@
-"""The RMSNorm family of a decoder layer as one fused kernel per call (issue 13): [mHC
+"""The RMSNorm family of a decoder layer as one fused kernel per call: [mHC
 `collapse` ->] RMSNorm [-> RoPE] [-> act_fp8]. On the Metal path each norm of the ops is three
 launches (the pairwise squares, a Sum, the normalising kernel) and its neighbours one each
 (collapse, RoPE, act_fp8); metal/norm.metal does a chain in one launch per call, one
@@ -244,5 +244,6 @@ def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
     if run is None or not applies(x, weight, pre, rope, positions):
         # the steps one by one, act_fp8 through its own dispatcher (its kernel where one is
         # active; the same bits as `norm_ops`)
-        return norm_ops(*args, rounding=functools.partial(act_fp8, use_kernel=given))
+        rounding = act_fp8 if given is None else functools.partial(act_fp8, use_kernel=given)
+        return norm_ops(*args, rounding=rounding)
     return run(*args)

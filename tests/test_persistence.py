@@ -1,5 +1,6 @@
 """Prompt-cache files: tied to the weights, the prefill mode and the config (not the config
-alone), versioned, saved atomically under any file name."""
+alone), versioned, saved atomically under any file name, refused when their tensor bytes no
+longer match the checksums saved with them."""
 
 from __future__ import annotations
 
@@ -96,6 +97,33 @@ def test_old_format_file_is_refused(tmp_path, model):
         "user": "{}"})
     message = refused(path, model, "format v1 from another mlx_v41 version")
     assert "reads v2" in message
+
+
+def flip_data_byte(path, at: float = 0.5) -> None:
+    """Flip one byte `at` (a fraction) of the way into the file's tensor data (after the
+    8-byte header length and the JSON header)."""
+    raw = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    k = start + int((len(raw) - start) * at)
+    raw[k] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_data_is_refused(tmp_path, model, prompt_cache):
+    path = saved(tmp_path / "p.cache", model, prompt_cache)
+    flip_data_byte(path)
+    message = refused(path, model, "damaged")
+    assert "does not match its checksum" in message
+
+
+def test_file_without_checksums_still_loads(tmp_path, model, prompt_cache):
+    """A file saved before the checksums were stored loads unchecked."""
+    path = saved(tmp_path / "p.cache", model, prompt_cache)
+    arrays, info = mx.load(str(path), format="safetensors", return_metadata=True)
+    del info[persistence.CHECKSUMS]
+    mx.save_safetensors(str(tmp_path / "old.safetensors"), arrays, metadata=info)
+    loaded = mlx_v41.load_prompt_cache(tmp_path / "old.safetensors", model)
+    assert loaded[0].offset == prompt_cache[0].offset
 
 
 @pytest.mark.parametrize("name", ["p.cache", "x.bin", "noext", "p.safetensors"])

@@ -1,7 +1,8 @@
 """`mlx_v41.server`'s prompt caches: a second turn prefills only its new tokens (chat mode from
 the reply, thinking mode from the prompt snapshot), also after restarting the CLI server with
---prompt-cache-dir (then Ctrl-C shuts it down cleanly); files of another checkpoint refused;
-the context limit; DSpark serving equal to plain greedy. Tiny golden checkpoint."""
+--prompt-cache-dir (then Ctrl-C shuts it down cleanly); files of another checkpoint refused,
+damaged files skipped; the context limit; DSpark serving equal to plain greedy. Tiny golden
+checkpoint."""
 
 from __future__ import annotations
 
@@ -188,3 +189,20 @@ def test_cache_files_of_another_checkpoint_are_refused(tmp_path, short, caplog):
     assert "another config" in caplog.text
     assert written.exists()  # not ours to delete
     assert PromptCacheStore(model, 1 << 30, folder).load_folder() == 1
+
+
+def test_a_damaged_cache_file_is_skipped_and_logged(tmp_path, caplog):
+    model, tokenizer = tiny()
+    folder = tmp_path / "prompts"
+    store = PromptCacheStore(model, 1 << 30, folder)
+    store.insert(prefilled(model, tokenizer, "a cached prompt"))
+    store.insert(prefilled(model, tokenizer, "another prompt entirely"))
+    store.flush()
+    damaged, kept = sorted(folder.glob("*.safetensors"))
+    raw = bytearray(damaged.read_bytes())
+    data = 8 + int.from_bytes(raw[:8], "little")  # the tensors follow the JSON header
+    raw[(data + len(raw)) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="mlx_v41.server"):
+        assert PromptCacheStore(model, 1 << 30, folder).load_folder() == 1
+    assert f"prompt cache refused: {damaged}: the file is damaged" in caplog.text

@@ -3,7 +3,8 @@
 A file is one safetensors with every layer's packed state and a metadata block naming what the
 cache depends on: the text config, the weights and the prefill mode (and, for a rank's share
 across ranks, its rank and the group's split), each fingerprinted separately so that a
-refusal can name the part that differs. mlx-lm's
+refusal can name the part that differs, and a sha256 of each array's bytes so that a damaged
+file is refused rather than loaded. mlx-lm's
 `save_prompt_cache`/`load_prompt_cache` cannot be used as is: its loader only rebuilds its own
 cache classes. Its `can_trim_prompt_cache`/`trim_prompt_cache` work on our caches
 (`is_trimmable`/`trim`), but `trim_cache` here is atomic across layers.
@@ -28,6 +29,7 @@ from .layer import CacheError, LayerCache, refresh_trim_budget
 FORMAT_FAMILY = "mlx_v41.prompt_cache."
 FORMAT = FORMAT_FAMILY + "v2"  # v2: weights and prefill-mode fingerprints (v1: config only)
 SAMPLE = 64  # leading elements hashed per parameter of a model built without a folder
+CHECKSUMS = "sha256"  # metadata key: {array name: sha256 of its bytes}, checked on load
 
 
 def config_fingerprint(model) -> str:
@@ -111,7 +113,7 @@ def stage_prompt_cache(path, cache: list, model, metadata: Optional[dict] = None
         arrays.update(a)
         layers.append(meta)
     info = {"format": FORMAT, **fingerprints(model, share), "layers": json.dumps(layers),
-            "user": json.dumps(metadata or {})}
+            "user": json.dumps(metadata or {}), CHECKSUMS: json.dumps(checksums(arrays))}
     # MLX appends `.safetensors` to any other name, so the sibling carries it.
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp.safetensors")
@@ -130,6 +132,7 @@ def load_prompt_cache(path, model, return_metadata: bool = False,
     path = Path(path)
     arrays, info = _read(path)
     _check_origin(path, info, model, share)
+    _check_data(path, info, arrays)
     layers = json.loads(info["layers"])
     cache = model.make_cache()
     if len(layers) != len(cache):
@@ -172,6 +175,26 @@ def _check_origin(path: Path, info: dict, model, share: Optional[dict]) -> None:
     if info.get("group") != expected.get("group"):
         raise CacheError(f"{path}: the cache was made by {_group_text(info.get('group'))}; "
                          f"this is {_group_text(expected.get('group'))}")
+
+
+def checksums(arrays: dict) -> dict:
+    """sha256 of each array's bytes (row-major, as safetensors stores them), by name."""
+    mx.eval(list(arrays.values()))
+    return {name: hashlib.sha256(np.array(a.view(mx.uint8))).hexdigest()
+            for name, a in sorted(arrays.items())}
+
+
+def _check_data(path: Path, info: dict, arrays: dict) -> None:
+    """Refuse a file whose tensor bytes differ from the checksums saved with them (a file
+    written before checksums were stored has none and is not checked)."""
+    if CHECKSUMS not in info:
+        return
+    expected, found = json.loads(info[CHECKSUMS]), checksums(arrays)
+    bad = sorted(set(expected) ^ set(found)) or \
+        [name for name in sorted(expected) if expected[name] != found[name]]
+    if bad:
+        raise CacheError(f"{path}: the file is damaged (array {bad[0]!r} does not match its "
+                         "checksum); delete it and make the cache again")
 
 
 def _group_text(group: Optional[str]) -> str:

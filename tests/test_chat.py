@@ -263,6 +263,17 @@ def test_bad_model_is_one_line(capsys, tmp_path):
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.parametrize("flag, value", [("--seed", "-1"), ("--seed", str(2**64)),
+                                         ("--temp", "nan"), ("--min-p", "nan"),
+                                         ("--system-prompt", "\udcff")])
+def test_bad_values_name_their_flag(capsys, flag, value):
+    """Refused before the model loads (argv bytes that are not UTF-8 arrive as surrogates)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(GOLDEN), flag, value])
+    assert exit_info.value.code == 2
+    assert f"error: argument {flag}: " in one_line(capsys.readouterr().err)
+
+
 # ---------------------------------------------------------------- the REPL as a program
 
 def chat_command(*flags):

@@ -377,6 +377,35 @@ def test_cli_bad_input(capsys, tmp_path, short_context):
     assert "context is 40 tokens" in one_line(capsys.readouterr().err)
 
 
+# argv bytes that are not UTF-8 reach Python as lone surrogates ("\xff" -> "\udcff")
+@pytest.mark.parametrize("flag, value, words", [
+    ("--seed", "-1", "is not a seed in 0..18446744073709551615"),
+    ("--seed", str(2**64), "is not a seed"),
+    ("--temp", "nan", "'nan' is not a temperature"), ("--temp", "inf", "'inf' is not"),
+    ("--top-p", "nan", "'nan' is not a probability"),
+    ("--min-p", "nan", "'nan' is not a probability"),
+    ("-p", "a\udcffb", "not valid UTF-8 (byte 0xff at character 1)"),
+    ("--system-prompt", "\ud800", "not valid UTF-8 (lone surrogate U+D800 at character 0)")])
+def test_cli_refuses_bad_values_naming_the_flag(capsys, flag, value, words):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(GOLDEN), flag, value])
+    line = one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and f"error: argument {flag}" in line and words in line, line
+
+
+def test_cli_refuses_stdin_that_is_not_utf8(capsys, monkeypatch, cached_load):
+    import io
+
+    # stdin decoding with surrogateescape (Python's default in the C and POSIX locales)
+    code, _, err = run_cli(capsys, "-p", "-", stdin="a\udcffb", monkeypatch=monkeypatch)
+    assert code == 1 and one_line(err) == \
+        "error: stdin (-p -): not valid UTF-8 (byte 0xff at character 1)"
+    strict = io.TextIOWrapper(io.BytesIO(b"ab\xfe"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", strict)
+    assert main(["--model", str(GOLDEN), "-p", "-"]) == 1
+    assert one_line(capsys.readouterr().err) == "error: stdin (-p -): not valid utf-8 (byte 0xfe)"
+
+
 def test_help_marks_ced_replay_approximate():
     text = " ".join(setup_arg_parser().format_help().split())
     assert "ced_replay" in text and "APPROXIMATE" in text

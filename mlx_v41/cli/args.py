@@ -5,6 +5,8 @@ errors, and the prefill progress line.
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Optional
 
 
 from ..model.layers import HEAD_DTYPES
@@ -31,6 +33,9 @@ DEFAULT_MIN_P = 0.0
 DEFAULT_TOP_K = 0
 
 
+MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
+
+
 PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder halo; full: "
                      "every layer over every prompt row, like the reference; ced_replay: the "
                      "tech report's bounded replay, APPROXIMATE (its logits differ from "
@@ -50,10 +55,32 @@ def _number(kind, low=None, high=None, what=""):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if (low is not None and value < low) or (high is not None and value > high):
+        if (kind is float and not math.isfinite(value)) or (low is not None and value < low) \
+                or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
     return parse
+
+
+def utf8_problem(text: str) -> Optional[str]:
+    """None when `text` is valid UTF-8, else what is wrong with it. Bytes that are not UTF-8
+    reach Python (argv, stdin) as lone surrogates U+DC80..U+DCFF."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else \
+            f"lone surrogate U+{code:04X}"
+        return f"not valid UTF-8 ({bad} at character {e.start})"
+    return None
+
+
+def utf8_flag(text: str) -> str:
+    """A text flag's value, refused (an argparse error naming the flag) unless valid UTF-8."""
+    problem = utf8_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _confidence(text):
@@ -83,7 +110,8 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
     add("--model", required=True,
         help="model folder (published layout), Hugging Face repo id, or 'demo' (a tiny random "
              "checkpoint built on first use; its text is random)")
-    add("--system-prompt", default=None, help="system message for the chat format")
+    add("--system-prompt", type=utf8_flag, default=None,
+        help="system message for the chat format")
     add("-m", "--max-tokens", type=_number(int, 1, what="a positive integer"),
         default=default_max_tokens, help=f"most tokens to generate (default {default_max_tokens})")
     add("--temp", type=_number(float, 0.0, what="a temperature >= 0"), default=DEFAULT_TEMP,
@@ -94,7 +122,8 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
         default=DEFAULT_MIN_P, help="min-p sampling (default 0: off)")
     add("--top-k", type=_number(int, 0, what="an integer >= 0"), default=DEFAULT_TOP_K,
         help="top-k sampling (default 0: off)")
-    add("--seed", type=int, default=default_seed, help="PRNG seed")
+    add("--seed", type=_number(int, 0, MAX_SEED, what=f"a seed in 0..{MAX_SEED}"),
+        default=default_seed, help="PRNG seed")
     add("--prefill-step-size", type=_number(int, 1, what="a positive integer"),
         default=DEFAULT_PREFILL_STEP_SIZE,
         help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_STEP_SIZE})")

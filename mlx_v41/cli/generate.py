@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..cache.layer import CacheError
 from ..checkpoint.source import DEMO, load
 from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
-                   decode_settings)
+                   decode_settings, utf8_flag, utf8_problem)
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import (PromptCache, prompt_cache_exists, read_prompt_cache,
                                        reuse_prompt_cache, write_prompt_cache)
@@ -35,7 +35,7 @@ def setup_arg_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mlx_v41.generate",
                             description="Generate a reply with DeepSeek V4.1 Flash.")
     add_model_arguments(parser, DEFAULT_MAX_TOKENS, None)
-    parser.add_argument("-p", "--prompt", default=DEFAULT_PROMPT,
+    parser.add_argument("-p", "--prompt", type=utf8_flag, default=DEFAULT_PROMPT,
                         help="the user message ('-' reads it from stdin)")
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="use the prompt text as is (BOS added when missing)")
@@ -55,13 +55,26 @@ def setup_arg_parser() -> ArgumentParser:
 
 def prompt_tokens(args, tokenizer) -> List[int]:
     """The CLI prompt as token ids: the chat format unless --ignore-chat-template."""
-    text = sys.stdin.read() if args.prompt == "-" else \
+    text = read_stdin() if args.prompt == "-" else \
         args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     if args.ignore_chat_template:
         return tokenizer.encode_prompt(text)
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     messages.append({"role": "user", "content": user_content(text, args.image)})
     return tokenizer.encode_chat(messages, args.thinking, args.reasoning_effort)
+
+
+def read_stdin() -> str:
+    """The prompt from stdin (-p -); a ValueError naming stdin unless it is valid UTF-8."""
+    try:
+        text = sys.stdin.read()
+    except UnicodeDecodeError as e:  # a stdin decoding strictly
+        raise ValueError(f"stdin (-p -): not valid {e.encoding} (byte 0x{e.object[e.start]:02x})"
+                         ) from None
+    problem = utf8_problem(text)  # a stdin decoding with surrogateescape
+    if problem is not None:
+        raise ValueError(f"stdin (-p -): {problem}")
+    return text
 
 
 def user_content(text: str, images) -> object:

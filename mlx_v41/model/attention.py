@@ -14,7 +14,7 @@ import mlx.nn as nn
 from ..cache.layer import LayerCache
 from .compressor import Compressor
 from .config import TextConfig
-from .shared import ForwardState
+from .shared import BatchState, ForwardState
 from .indexer import Indexer
 from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
@@ -100,6 +100,28 @@ class Attention(nn.Module):
         xq = self.kv_proj.prepare(x) if prepared is None else prepared  # q_a's input too
         # one matmul for both where q_a reads every row, the same bits (paired.py)
         kv_products, qr = paired_matmul(self.kv_proj, self.q_a_proj, xq, n_out)
+        # q_a_norm and its act_fp8: q_b_proj's input, which the indexer's q_b reads too
+        qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
+                          outputs=("y", "fp8"))
+        q = self.q_b_proj.matmul(qr_fp8).reshape(batch, n_out, self.heads, self.head_dim)
+        if isinstance(ctx, BatchState):  # each sequence's rows against its own cache
+            out = mx.concatenate([
+                self._attend(x[b:b + 1], kv_products[b:b + 1], q[b:b + 1], qr[b:b + 1],
+                             qr_fp8[b:b + 1], state, layer_cache, n_out)
+                for b, (state, layer_cache) in enumerate(zip(ctx.states, cache))], axis=0)
+        else:
+            out = self._attend(x, kv_products, q, qr, qr_fp8, ctx, cache, n_out)
+        groups = self.o_a_proj.weight.shape[0]
+        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
+        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), True)
+        return self.o_b_proj.matmul(out) if products else self.o_b_proj.apply(out)
+
+    def _attend(self, x, kv_products, q, qr, qr_fp8, ctx: ForwardState, cache: LayerCache,
+                n_out: int) -> mx.array:
+        """The part of attention that reads and writes one sequence's cache: window KV
+        (written to the ring), the compressor, RoPE of the queries, the selection, sparse
+        attention and inverse RoPE -> [B, n_out, heads, head_dim] fp32."""
+        n_in = x.shape[1]
         # kv_norm -> RoPE -> act_fp8 (bf16): the window KV (one launch where fused)
         kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,
                    rope=self.rope, positions=ctx.end - n_in, outputs=("fp8",),
@@ -110,21 +132,13 @@ class Attention(nn.Module):
             self.compress(x, ctx)
         x = x[:, n_in - n_out:]
         pos = ctx.end - n_out
-        # q_a_norm and its act_fp8: q_b_proj's input, which the indexer's q_b reads too
-        qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
-                          outputs=("y", "fp8"))
-        q = self.q_b_proj.matmul(qr_fp8).reshape(batch, n_out, self.heads, self.head_dim)
         q = rope_products(q, self.rope, pos)  # bf16 rounding and RoPE (one launch)
         packed, rows = self._packed_rows(x, qr, qr_fp8, ctx)
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
                                self.window)
         # fp32 between the kernels, each value still a bf16 one: every rounding the reference
         # makes happens inside the fused kernel that reads it, not as a cast of its own.
-        out = self.rope(out, pos, inverse=True, dtype=mx.float32)
-        groups = self.o_a_proj.weight.shape[0]
-        out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
-        out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), True)
-        return self.o_b_proj.matmul(out) if products else self.o_b_proj.apply(out)
+        return self.rope(out, pos, inverse=True, dtype=mx.float32)
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
         """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows

@@ -49,6 +49,31 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
                 runner=None):
     """`Model.forward`: checks the inputs, picks the strategy, runs it atomically (`runner`:
     a `Run` subclass that overrides some of its steps)."""
+    steps = forward_steps(model, ids, cache, last_only=last_only, step_size=step_size,
+                          embeddings=embeddings, taps=taps, teacher=teacher, capture=capture,
+                          progress=progress, images=images, runner=runner)
+    with using(model.kernels):
+        return finish(steps)
+
+
+def finish(steps):
+    """Run a `forward_steps` generator to its end; its `ModelOutput`."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def forward_steps(model, ids, cache: Optional[list], *, last_only: bool, step_size=None,
+                  embeddings=None, taps: tuple = (), teacher=None, capture=None,
+                  progress: Optional[Callable] = None, images=None, runner=None):
+    """`run_forward` one chunk at a time: checks the inputs now (a ValueError before anything
+    runs), then returns a generator that yields after each chunk and returns the
+    `ModelOutput`. The cache changes only when the generator completes; closing it early (or
+    an exception) leaves the cache as it was. The caller makes the model's kernels active
+    (`kernels.context.using`) around each step; a batch engine interleaves other sequences'
+    forwards between the steps of a prompt's."""
     ids = _as_ids(ids)
     cache = model.make_cache() if cache is None else cache
     _check_inputs(model, ids, cache, embeddings, step_size, teacher)
@@ -66,11 +91,18 @@ def run_forward(model, ids, cache: Optional[list], *, last_only: bool, step_size
     run = (runner or Run)(model, cache, start, Taps(tuple(dict.fromkeys(taps + targets)), keep),
                           probe, Progress(progress, length, cache, len(chunks)))
     run.image_mask = None if images is None else images.mask()
-    with transaction(cache), using(model.kernels):
-        logits = run.full(chunks, last_only) if mode == "full" else run.encoder_only(chunks, mode)
-        if drafting:
-            run.write_draft_rings(run.taps.rows, start + length)
-        commit(cache, start + length)
+    return _run_steps(run, chunks, mode, last_only, taps, start + length)
+
+
+def _run_steps(run, chunks: list, mode: str, last_only: bool, taps: tuple, end: int):
+    with transaction(run.cache):
+        if mode == "full":
+            logits = yield from run.full(chunks, last_only)
+        else:
+            logits = yield from run.encoder_only(chunks, mode)
+        if run.model.drafting:
+            run.write_draft_rings(run.taps.rows, end)
+        commit(run.cache, end)
     return ModelOutput(logits, {layer: run.taps.rows[layer] for layer in taps})
 
 
@@ -152,18 +184,23 @@ class Run:
         """The drafter's rings from the call's target-layer `taps` (`write_draft_rings`)."""
         write_draft_rings(self.model, self.cache, taps, end)
 
-    def full(self, chunks: list, last_only: bool) -> mx.array:
+    def full(self, chunks: list, last_only: bool):
+        """Every layer over every row, chunk by chunk (a generator: it yields between chunks
+        and returns the logits)."""
         outs, position = [], self.start
         for chunk in chunks:
             state, streams, pre = self.encode(chunk, position)
             hidden = self.text.decoder_stack(streams, pre, state, self.cache)
             outs.append(self.report(self.model.head(hidden, last_only), chunk.ids.shape[1]))
             position = state.end
+            if len(outs) < len(chunks):
+                yield
         return outs[-1] if last_only else mx.concatenate(outs, axis=1)
 
-    def encoder_only(self, chunks: list, mode: str) -> mx.array:
+    def encoder_only(self, chunks: list, mode: str):
         """Encoder (and the first decoder layer's global KV) chunk by chunk, then the decoder
-        over the halo rows of the whole call; the last position's logits."""
+        over the halo rows of the whole call (a generator: it yields after each chunk and
+        returns the last position's logits)."""
         text, position = self.text, self.start
         end = self.start + sum(chunk.ids.shape[1] for chunk in chunks)
         halo = halo_spans(self.model, end - self.start, mode)
@@ -178,6 +215,7 @@ class Run:
                 pre = mx.concatenate([tail[1], pre], axis=1)[:, -keep:]
             tail = self.report((streams, pre), chunk.ids.shape[1])
             position = state.end
+            yield
         state = self.state(self.start, end)
         state.image_mask = self.image_mask
         state.precompressed.add(text.decoder_start)

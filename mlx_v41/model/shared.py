@@ -123,3 +123,24 @@ def shared_state(cache: list, roles) -> dict:
     """A SharedKV for every kv owner of the cache (the readers find theirs by `kv_owner`)."""
     return {i: SharedKV(i, c.compressed) for i, c in enumerate(cache)
             if c.compressed is not None and roles[i].kv_owner == i}
+
+
+@dataclass
+class BatchState:
+    """One forward over several sequences at once, each at its own position with its own
+    cache (`model/batch.py`): every layer's dense work (projections, experts, mHC, norms, the
+    head) runs over the rows of all of them, while attention reads and writes each sequence's
+    own cache through its own `ForwardState` (`states[b]` for rows [b]). Quacks like a
+    `ForwardState` where a block reads one."""
+
+    states: list                                 # per sequence: its ForwardState
+    engram_rows: Optional[mx.array] = None       # [B, n, n_engram_layers, columns]
+    taps: Taps = field(default_factory=Taps)
+    probe: Optional[Probe] = None                # always None: no instrumentation in a batch
+    capturing: bool = False
+
+    def image_positions(self, rows: int) -> Optional[mx.array]:
+        return None  # a batched forward carries no image rows (prompts prefill alone)
+
+    def record(self, name: str, value: mx.array) -> None:
+        pass

@@ -1,0 +1,446 @@
+"""Continuous batching: many sequences decoding together, each exactly as it would alone.
+
+`BatchGenerator` is the incremental engine (mlx-lm's shape): `insert` prompts, call `next()`
+once per step, `remove` a finished or cancelled sequence. A step
+
+1. prefills queued prompts chunk by chunk (`Model.forward`'s own chunks, so a prompt gets
+   the bits of a batch-1 prefill with the same `prefill_step_size`), round-robin over at
+   most `prefill_batch_size` prompts and at most `prefill_budget` prompt tokens per step, so a
+   long prompt never stalls the sequences already decoding and a short prompt behind it
+   starts after a chunk or two;
+2. feeds every decoding sequence's last token in one batched forward
+   (`model.batch.batch_forward`: one call, each row against its own cache), emits those
+   tokens, and samples each sequence's next token with its own sampler, logits processors
+   and random key.
+
+Each sequence lives in its own cache list; joining or leaving never copies another's. A
+token is emitted once it has been fed to its cache (as `generate_step` does), so a finished
+sequence's cache holds its prompt and every emitted token.
+
+`batch_generate` runs a list of prompts to the end, like mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..cache.persistence import copy_cache
+from ..kernels.context import using
+from ..model.batch import batch_forward
+from ..model.prefill import forward_steps
+from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
+
+MAX_SEED = 2 ** 64 - 1
+
+
+@dataclass
+class BatchStats:
+    """What a generator did while a `stats()` block ran (mlx-lm's fields)."""
+
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0
+    peak_memory: float = 0.0  # GB, process-wide
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / max(self.prompt_time, 1e-9)
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / max(self.generation_time, 1e-9)
+
+
+@dataclass
+class BatchResponse:
+    """`batch_generate`'s result (mlx-lm's): texts in prompt order, stats, and with
+    `return_prompt_caches` each sequence's cache (its prompt and reply)."""
+
+    texts: List[str]
+    stats: BatchStats
+    caches: Optional[List[list]] = None
+    token_ids: Optional[List[List[int]]] = None
+    logprobs: Optional[List[List[float]]] = None
+
+
+@dataclass
+class Response:
+    """One emitted token of one sequence (`BatchGenerator.next`).
+
+    finish_reason: None while the sequence goes on; "stop" (a stop token), "length"
+    (max_tokens or the context) or "error" (`error` says why; no token then, -1).
+    prompt_cache: the sequence's cache when it finished (prompt and every emitted token).
+    """
+
+    uid: int
+    token: int
+    logprobs: Optional[mx.array]
+    finish_reason: Optional[str] = None
+    prompt_cache: Optional[list] = None
+    error: Optional[BaseException] = None
+
+
+class RandomKey:
+    """A sequence's own random stream: sampling with it draws exactly what a batch-1 run
+    seeded with `seed` draws (the global key is set to this stream's before each sample and
+    read back after)."""
+
+    def __init__(self, seed: int):
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {seed!r}")
+        self.seed = seed
+
+    @contextmanager
+    def active(self):
+        mx.random.seed(self.seed)
+        try:
+            yield
+        finally:
+            high, low = mx.random.state[0].tolist()
+            self.seed = (high << 32) | low
+
+
+@dataclass
+class BatchSequence:
+    uid: int
+    prompt: list
+    cache: list
+    max_tokens: int
+    sampler: Callable
+    processors: list
+    key: Optional[RandomKey]
+    images: object = None
+    steps: object = None  # the prefill generator while prefilling
+    history: Optional[mx.array] = None  # prompt and sampled tokens (for processors)
+    token: Optional[mx.array] = None  # sampled, not yet fed
+    logprobs: Optional[mx.array] = None
+    generated: int = 0
+    finish_reason: Optional[str] = None
+    prefilled: int = 0  # prompt tokens in the cache so far
+
+    def progress(self, done: int, total: int) -> None:
+        self.prefilled = done
+
+
+class BatchGenerator:
+    """Continuous batching over one model (module docstring).
+
+    Args:
+        max_tokens: default most tokens per sequence.
+        stop_tokens: token ids that end a sequence (default: none; `batch_generate` passes the
+            tokenizer's EOS ids).
+        sampler / logits_processors: defaults for sequences inserted without their own
+            (greedy; none).
+        completion_batch_size: most sequences decoding together (more wait, prefilled, for a
+            slot); prompts being prefilled count too.
+        prefill_batch_size: most prompts being prefilled at once.
+        prefill_step_size: prompt tokens per prefill chunk (as `stream_generate`'s).
+        prefill_budget: prompt tokens prefilled per step at most (at least one chunk runs
+            when any prompt waits); default one chunk.
+    """
+
+    def __init__(self, model, *, max_tokens: int = 128,
+                 stop_tokens: Optional[Sequence[int]] = None, sampler=None,
+                 logits_processors=None, completion_batch_size: int = 32,
+                 prefill_batch_size: int = 8,
+                 prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
+                 prefill_budget: Optional[int] = None):
+        for name, value in (("completion_batch_size", completion_batch_size),
+                            ("prefill_batch_size", prefill_batch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        from mlx_lm.sample_utils import greedy_sampler
+
+        self.model = model
+        self.max_tokens = max_tokens
+        self.stop_tokens = set(stop_tokens or ())
+        self.sampler = sampler or greedy_sampler
+        self.logits_processors = list(logits_processors or [])
+        self.completion_batch_size = completion_batch_size
+        self.prefill_batch_size = prefill_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.prefill_budget = prefill_budget or prefill_step_size or 0
+        self.waiting: deque = deque()   # inserted, not yet prefilling
+        self.prefilling: deque = deque()  # round-robin order
+        self.decoding: list = []
+        self._uid = 0
+        self.counters = BatchStats()
+
+    # ------------------------------------------------------------------ the API
+
+    def insert(self, prompts: Sequence[Sequence[int]], max_tokens=None, caches=None,
+               samplers=None, logits_processors=None, seeds=None, images=None) -> list:
+        """Queue prompts (token ids); their uids. Per prompt, optionally: `max_tokens`,
+        `caches` (a cache holding a prefix; the prompt is appended to it in place),
+        `samplers`, `logits_processors` (a list per prompt), `seeds` (the sequence then
+        samples from its own random stream, as a batch-1 run after `mx.random.seed(seed)`),
+        `images` (`vision.ImageInputs` of the prompt's spans). Bad arguments raise before
+        anything is queued."""
+        n = len(prompts)
+
+        def per(name, values, default):
+            if values is None:
+                return [default] * n
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+            return values
+
+        max_tokens = per("max_tokens", [max_tokens] * n if isinstance(max_tokens, int)
+                         else max_tokens, self.max_tokens)
+        caches = per("caches", caches, None)
+        samplers = per("samplers", samplers, None)
+        processors = per("logits_processors", logits_processors, None)
+        seeds = per("seeds", seeds, None)
+        images = per("images", images, None)
+        made = []
+        for i, prompt in enumerate(prompts):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty")
+            cache = self.model.make_cache() if caches[i] is None else caches[i]
+            check_context(self.model, cache[0].offset, len(prompt))
+            if not isinstance(max_tokens[i], int) or max_tokens[i] < 0:
+                raise ValueError(f"max_tokens[{i}] must be an int >= 0, got {max_tokens[i]!r}")
+            room = self.model.args.text_config.max_position_embeddings - cache[0].offset \
+                - len(prompt)
+            key = None if seeds[i] is None else RandomKey(seeds[i])
+            made.append(BatchSequence(
+                0, prompt, cache, min(max_tokens[i], room), samplers[i] or self.sampler,
+                list(self.logits_processors if processors[i] is None else processors[i]),
+                key, images[i]))
+        uids = []
+        for seq in made:
+            seq.uid, self._uid = self._uid, self._uid + 1
+            self.waiting.append(seq)
+            uids.append(seq.uid)
+        return uids
+
+    def remove(self, uids, return_prompt_caches: bool = False) -> dict:
+        """Drop sequences wherever they are (a prompt being prefilled is abandoned and its
+        cache left as it was before); {uid: cache} with `return_prompt_caches`."""
+        uids, out = set(uids), {}
+        for group in (self.waiting, self.prefilling, self.decoding):
+            for seq in [s for s in group if s.uid in uids]:
+                group.remove(seq)
+                if seq.steps is not None:
+                    seq.steps.close()
+                    seq.steps = None
+                if return_prompt_caches:
+                    out[seq.uid] = seq.cache
+        return out
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
+    @property
+    def sequences(self) -> list:
+        """Every sequence held: waiting, prefilling, decoding."""
+        return [*self.waiting, *self.prefilling, *self.decoding]
+
+    @contextmanager
+    def stats(self):
+        """The work done while the block runs (`BatchStats`)."""
+        stats, before = BatchStats(), BatchStats(**vars(self.counters))
+        mx.reset_peak_memory()
+        try:
+            yield stats
+        finally:
+            for name in ("prompt_tokens", "prompt_time", "generation_tokens",
+                         "generation_time"):
+                setattr(stats, name, getattr(self.counters, name) - getattr(before, name))
+            stats.peak_memory = mx.get_peak_memory() / 1e9
+
+    def next(self) -> list:
+        """One step: prefill chunks, then one batched decode step; the `Response`s emitted
+        (a sequence's tokens in order; finished sequences have left the batch)."""
+        responses = []
+        with using(self.model.kernels):
+            responses += self._admit()
+            responses += self._prefill()
+            responses += self._decode()
+        return responses
+
+    # ------------------------------------------------------------------ the steps
+
+    def _admit(self) -> list:
+        """Start prefilling waiting prompts while there is room; a prompt the model refuses
+        (bad ids, images that do not fit) fails alone."""
+        responses = []
+        while self.waiting and len(self.prefilling) < self.prefill_batch_size and \
+                len(self.prefilling) + len(self.decoding) < self.completion_batch_size:
+            seq = self.waiting.popleft()
+            try:
+                seq.steps = forward_steps(self.model, seq.prompt, seq.cache, last_only=True,
+                                          step_size=self.prefill_step_size, images=seq.images,
+                                          progress=seq.progress)
+            except Exception as e:
+                responses.append(self._fail(seq, e))
+                continue
+            self.prefilling.append(seq)
+        return responses
+
+    def _prefill(self) -> list:
+        """Chunks of the prefilling prompts, round-robin, within the step's token budget."""
+        responses, spent, tic = [], 0, time.perf_counter()
+        while self.prefilling and (spent == 0 or spent < self.prefill_budget):
+            seq = self.prefilling.popleft()
+            before = seq.prefilled
+            try:
+                next(seq.steps)
+                self.prefilling.append(seq)  # more to do: to the back of the queue
+            except StopIteration as end:
+                seq.steps = None
+                self._start_decoding(seq, end.value.logits)
+            except Exception as e:
+                seq.steps = None
+                responses.append(self._fail(seq, e))
+            spent += max(seq.prefilled - before, 0)
+        if spent:
+            self.counters.prompt_time += time.perf_counter() - tic
+            self.counters.prompt_tokens += spent
+        return responses
+
+    def _start_decoding(self, seq, logits) -> None:
+        """The prompt is in: sample its first token; the sequence joins the decode batch."""
+        seq.history = mx.array(seq.prompt, dtype=mx.int32)
+        if seq.max_tokens == 0:
+            seq.finish_reason = "length"
+        else:
+            self._sample(seq, logits[:, -1, :])
+        self.decoding.append(seq)
+
+    def _sample(self, seq, logits) -> None:
+        """Sample the next token from `logits` [1, V] as `generate_step` does."""
+        for processor in seq.processors:
+            logits = processor(seq.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if seq.key is None:
+            token = seq.sampler(logprobs)
+        else:
+            with seq.key.active():
+                token = seq.sampler(logprobs)
+        if seq.processors:
+            seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
+        seq.token, seq.logprobs = token, logprobs[0]
+
+    def _decode(self) -> list:
+        """Feed every decoding sequence's token in one forward, emit it, sample the next."""
+        batch = [s for s in self.decoding if s.token is not None]
+        responses = [self._finish(s) for s in
+                     [s for s in self.decoding if s.token is None]]
+        if not batch:
+            return responses
+        tic = time.perf_counter()
+        ids = mx.concatenate([s.token.reshape(1, 1) for s in batch], axis=0)
+        logits = batch_forward(self.model, ids, [s.cache for s in batch]).logits
+        for b, seq in enumerate(batch):
+            token = seq.token.item()
+            seq.generated += 1
+            if token in self.stop_tokens:
+                seq.finish_reason = "stop"
+            elif seq.generated >= seq.max_tokens:
+                seq.finish_reason = "length"
+            response = Response(seq.uid, token, seq.logprobs)
+            if seq.finish_reason is None:
+                try:
+                    self._sample(seq, logits[b:b + 1, -1, :])
+                except Exception as e:  # a processor or sampler that raises
+                    responses.append(response)
+                    responses.append(self._fail(seq, e))
+                    continue
+            else:
+                response = self._finish(seq, response)
+            responses.append(response)
+        mx.eval([s.token for s in batch if s.finish_reason is None and s.token is not None])
+        self.counters.generation_tokens += len(batch)
+        self.counters.generation_time += time.perf_counter() - tic
+        return responses
+
+    def _finish(self, seq, response: Optional[Response] = None) -> Response:
+        if seq in self.decoding:
+            self.decoding.remove(seq)
+        response = response or Response(seq.uid, -1, None)
+        response.finish_reason = seq.finish_reason or "length"
+        response.prompt_cache = seq.cache
+        return response
+
+    def _fail(self, seq, error: BaseException) -> Response:
+        for group in (self.prefilling, self.decoding):
+            if seq in group:
+                group.remove(seq)
+        return Response(seq.uid, -1, None, "error", seq.cache, error)
+
+
+def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]],
+                   prompt_caches: Optional[List[list]] = None,
+                   max_tokens: Union[int, List[int]] = 128, verbose: bool = False,
+                   return_prompt_caches: bool = False, return_token_ids: bool = False,
+                   return_logprobs: bool = False, **kwargs) -> BatchResponse:
+    """Replies to every prompt, decoded together (mlx-lm's `batch_generate`).
+
+    Args:
+        prompts: token id lists (or strings, tokenized as `stream_generate` does).
+        prompt_caches: a cache per prompt holding its prefix; they are not changed (each
+            sequence continues a copy).
+        max_tokens: one for all, or one per prompt.
+        return_prompt_caches / return_token_ids / return_logprobs: add each sequence's final
+            cache, generated ids (the stop token not included) and their log-probabilities.
+        kwargs: `BatchGenerator` settings (`sampler`, `logits_processors`,
+            `completion_batch_size`, `prefill_batch_size`, `prefill_step_size`,
+            `prefill_budget`); `seeds` (one per prompt, as `insert`'s) and `images` (per
+            prompt: None or the images of its placeholders, as `stream_generate`'s).
+    Returns:
+        `BatchResponse`. Each sequence's text equals what `generate` gives it alone (greedy,
+        or sampled with the same seed).
+    """
+    from ..model.vision.prompt import prepare_prompt
+
+    seeds = kwargs.pop("seeds", None)
+    images = kwargs.pop("images", None) or [None] * len(prompts)
+    generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, **kwargs)
+    caches = None if prompt_caches is None else [copy_cache(c) for c in prompt_caches]
+    ids, inputs = [], []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            empty = caches is None or caches[i][0].offset == 0
+            prompt = tokenizer.encode_prompt(prompt, add_bos=empty)
+        expanded = prepare_prompt(model, list(prompt), images[i])  # image spans expanded
+        ids.append(expanded.ids)
+        inputs.append(expanded.inputs(model))
+    uids = generator.insert(ids, max_tokens, caches, seeds=seeds, images=inputs)
+    tokens = {uid: [] for uid in uids}
+    logprobs = {uid: [] for uid in uids}
+    finished = {}
+    with generator.stats() as stats:
+        while len(generator):
+            for r in generator.next():
+                if r.finish_reason == "error":
+                    raise r.error
+                if r.finish_reason != "stop" and r.token >= 0:
+                    tokens[r.uid].append(r.token)
+                    if return_logprobs:
+                        logprobs[r.uid].append(r.logprobs[r.token].item())
+                if r.finish_reason is not None:
+                    finished[r.uid] = r.prompt_cache
+                    if verbose:
+                        print(f"[batch_generate] Finished processing {len(finished)}/"
+                              f"{len(uids)} ...", end="\r")
+    texts = [tokenizer.decode(tokens[uid]) for uid in uids]
+    if verbose:
+        print(f"\n[batch_generate] Prompt: {stats.prompt_tokens} tokens, "
+              f"{stats.prompt_tps:.3f} tokens-per-sec")
+        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, "
+              f"{stats.generation_tps:.3f} tokens-per-sec")
+        print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
+    return BatchResponse(
+        texts, stats, [finished[uid] for uid in uids] if return_prompt_caches else None,
+        [tokens[uid] for uid in uids] if return_token_ids else None,
+        [logprobs[uid] for uid in uids] if return_logprobs else None)

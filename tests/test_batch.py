@@ -1,0 +1,265 @@
+"""Continuous batching: every sequence of a batch gets, at every step, the logits it gets alone
+at batch 1, bit for bit on MLX's CPU backend (the `cpu` fixture), for prompts of different
+lengths (different window fill, compressor phase, Engram history), sequences joining and
+leaving mid-run, prompts prefilled in chunks between decode steps, seeded sampling, per-sequence
+processors; a failing sequence fails alone; an interrupted step changes no cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_v41
+from conftest import golden_checkpoint, reference_ops, slow
+from mlx_v41.generation.batch import BatchGenerator, RandomKey, batch_generate
+from mlx_v41.model.batch import batch_forward
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+# Lengths around the tiny model's window (16) and compression group (2): empty-window,
+# odd/even (open compressor group or not), several windows long.
+LENGTHS = [1, 2, 7, 16, 33, 70]
+STEP = 16  # prefill chunk: long prompts take several
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    model, tokenizer = mlx_v41.load(golden_checkpoint("tiny"))
+    return reference_ops(model), tokenizer
+
+
+def prompts(lengths, seed=0) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 400, n).tolist() for n in lengths]  # below the special tokens
+
+
+def alone(model, tokenizer, prompt, max_tokens=8, sampler=None, seed=None, processors=None):
+    """Token ids of a batch-1 `stream_generate` (the stop token included, as streamed)."""
+    if seed is not None:
+        mx.random.seed(seed)
+    return [r.token for r in mlx_v41.stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
+        logits_processors=processors, prefill_step_size=STEP)]
+
+
+def run(generator, uids=None) -> dict:
+    """Step the generator until it is empty: uid -> emitted token ids (errors as exceptions)."""
+    out = {}
+    while len(generator):
+        for r in generator.next():
+            if r.token >= 0:
+                out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason == "error":
+                out[r.uid] = r.error
+    return out
+
+
+def test_batch_forward_equals_batch_one_per_step(loaded):
+    model, _ = loaded
+    texts = prompts(LENGTHS)
+    follow = prompts([10] * len(LENGTHS), seed=1)
+
+    def prefilled(ids):
+        cache = model.make_cache()
+        model.prefill(mx.array([ids]), cache, step_size=STEP)
+        return cache
+
+    expected = []
+    for ids, cont in zip(texts, follow):
+        cache = prefilled(ids)
+        expected.append([np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in cont])
+    caches = [prefilled(ids) for ids in texts]
+    for step in range(len(follow[0])):
+        logits = batch_forward(model, mx.array([[c[step]] for c in follow]), caches).logits
+        for b in range(len(texts)):
+            assert np.array_equal(np.array(logits[b, -1]), expected[b][step]), (step, b)
+    assert [c[0].offset for c in caches] == [n + len(follow[0]) for n in LENGTHS]
+
+
+def test_batch_generate_greedy_and_seeded(loaded):
+    model, tokenizer = loaded
+    from mlx_lm.sample_utils import make_sampler
+
+    texts = prompts(LENGTHS, seed=2)
+    out = batch_generate(model, tokenizer, texts, max_tokens=8, prefill_step_size=STEP,
+                         return_token_ids=True)
+    stops = set(tokenizer.eos_token_ids)
+    for text, ids in zip(texts, out.token_ids):
+        assert ids == [t for t in alone(model, tokenizer, text) if t not in stops]
+    assert out.texts == [tokenizer.decode(ids) for ids in out.token_ids]
+    assert out.stats.generation_tokens >= sum(len(ids) for ids in out.token_ids)
+
+    sampler = make_sampler(1.0, top_p=0.9)
+    seeds = [7 + i for i in range(len(texts))]
+    out = batch_generate(model, tokenizer, texts, max_tokens=8, prefill_step_size=STEP,
+                         return_token_ids=True, sampler=sampler, seeds=seeds)
+    sampled = [[t for t in alone(model, tokenizer, text, sampler=sampler, seed=seed)
+                if t not in stops] for text, seed in zip(texts, seeds)]
+    assert out.token_ids == sampled
+    assert len({tuple(s) for s in sampled}) > 1  # the seeds matter
+    assert out.token_ids != [[t for t in alone(model, tokenizer, text, sampler=sampler,
+                                               seed=seed + 1000) if t not in stops]
+                             for text, seed in zip(texts, seeds)]
+
+
+def test_joins_and_leaves_mid_run(loaded):
+    """Sequences inserted while others decode, one removed mid-prefill and one mid-decode:
+    every sequence that runs to its end emits what it emits alone."""
+    model, tokenizer = loaded
+    texts = prompts([5, 40, 3, 90, 12, 21], seed=3)
+    generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, max_tokens=10,
+                               prefill_step_size=STEP)
+    first = generator.insert(texts[:2])
+    out = {}
+
+    def step():
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r.token)
+
+    for _ in range(3):
+        step()
+    later = generator.insert(texts[2:5])
+    step()
+    cut_prefill = later[1]  # 90 tokens: still prefilling after one step
+    assert any(s.uid == cut_prefill for s in generator.prefilling)
+    generator.remove([cut_prefill])
+    step()
+    decoding = [s.uid for s in generator.decoding]
+    cut_decode = decoding[0]
+    generator.remove([cut_decode])
+    last = generator.insert(texts[5:])
+    while len(generator):
+        step()
+    uids = first + later + last
+    for uid, text in zip(uids, texts):
+        if uid in (cut_prefill, cut_decode):
+            continue
+        assert out[uid] == alone(model, tokenizer, text, max_tokens=10), uid
+    assert cut_prefill not in out
+
+
+def test_long_prefill_does_not_stall_decoding(loaded):
+    """A long prompt is read one chunk per step while the others decode; a short prompt that
+    arrives behind it starts after a chunk, and every output equals its batch-1 one."""
+    model, tokenizer = loaded
+    short, long_, late = prompts([4, 200, 6], seed=4)
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=30, prefill_step_size=STEP)
+    a = generator.insert([short])[0]
+    out = {}
+    for r in generator.next():
+        out.setdefault(r.uid, []).append(r.token)
+    b = generator.insert([long_])[0]
+    emitted_during_prefill, steps = 0, 0
+    c, first_token_step = None, None
+    while any(s.uid == b for s in [*generator.waiting, *generator.prefilling]):
+        responses = generator.next()
+        steps += 1
+        emitted_during_prefill += sum(r.uid == a for r in responses)
+        for r in responses:
+            out.setdefault(r.uid, []).append(r.token)
+        if steps == 2:
+            c = generator.insert([late])[0]
+        if c is not None and c in out and first_token_step is None:
+            first_token_step = steps
+    assert steps >= 200 // STEP  # the long prompt took one chunk per step
+    assert emitted_during_prefill >= steps - 1  # the short one kept decoding meanwhile
+    assert first_token_step is not None and first_token_step <= 5  # not behind the long one
+    rest = run(generator)
+    for uid, ids in rest.items():
+        out.setdefault(uid, []).extend(ids)
+    for uid, text in ((a, short), (b, long_), (c, late)):
+        assert out[uid] == alone(model, tokenizer, text, max_tokens=30), uid
+
+
+def test_a_failing_sequence_fails_alone(loaded):
+    model, tokenizer = loaded
+    texts = prompts([9, 14, 30], seed=5)
+
+    def bad(history, logits):
+        if history.shape[0] > len(texts[1]) + 2:
+            raise RuntimeError("processor broke")
+        return logits
+
+    generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, max_tokens=8,
+                               prefill_step_size=STEP)
+    uids = generator.insert(texts, logits_processors=[None, [bad], None])
+    out = run(generator)
+    assert isinstance(out[uids[1]], RuntimeError)
+    for uid, text in ((uids[0], texts[0]), (uids[2], texts[2])):
+        assert out[uid] == alone(model, tokenizer, text), uid
+    with pytest.raises(ValueError, match="prompts\\[1\\] is empty"):
+        generator.insert([[1, 2], []])
+    assert len(generator) == 0  # nothing of a refused insert was queued
+    uid = generator.insert([[model.cfg.vocab_size + 5, 1]])[0]
+    assert "token ids must lie" in str(run(generator)[uid])
+
+
+def test_an_interrupted_step_changes_no_cache(loaded, monkeypatch):
+    model, tokenizer = loaded
+    texts = prompts([8, 25], seed=6)
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=6, prefill_step_size=STEP)
+    generator.insert(texts)
+    for _ in range(4):
+        generator.next()
+    before = [[c.offset for c in s.cache] for s in generator.decoding]
+    arrays = [[a for c in s.cache for a in c.state] for s in generator.decoding]
+    original = type(model).head
+
+    def interrupted(self, hidden, last_only):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "head", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generator.next()
+    monkeypatch.setattr(type(model), "head", original)
+    assert [[c.offset for c in s.cache] for s in generator.decoding] == before
+    assert all(x is y for s, was in zip(generator.decoding, arrays)
+               for x, y in zip([a for c in s.cache for a in c.state], was))
+    out = run(generator)
+    assert len(out) == 2  # and the batch goes on
+
+
+def test_prompt_caches_are_continued_not_changed(loaded):
+    model, tokenizer = loaded
+    prefix, *rest = prompts([20, 6, 11], seed=7)
+    cache = model.make_cache()
+    model.prefill(mx.array([prefix]), cache, step_size=STEP)
+    offset = cache[0].offset
+    out = batch_generate(model, tokenizer, rest, prompt_caches=[cache, cache], max_tokens=5,
+                         prefill_step_size=STEP, return_token_ids=True,
+                         return_prompt_caches=True)
+    assert cache[0].offset == offset
+    stops = set(tokenizer.eos_token_ids)
+    for ids, text, final in zip(out.token_ids, rest, out.caches):
+        expected = [t for t in alone(model, tokenizer, prefix + text, max_tokens=5)
+                    if t not in stops]
+        assert ids == expected
+        assert final[0].offset >= offset + len(text) + len(ids)
+
+
+def test_settings_are_checked(loaded):
+    model, _ = loaded
+    with pytest.raises(ValueError, match="completion_batch_size"):
+        BatchGenerator(model, completion_batch_size=0)
+    with pytest.raises(ValueError, match="seed"):
+        RandomKey(-1)
+    with pytest.raises(ValueError, match="seed"):
+        RandomKey(2 ** 64)
+    cache = model.make_cache()
+    with pytest.raises(ValueError, match="twice"):
+        batch_forward(model, mx.array([[1], [2]]), [cache, cache])
+    with pytest.raises(ValueError, match="2 rows but 1 caches"):
+        batch_forward(model, mx.array([[1], [2]]), [cache])
+
+
+@pytest.mark.parametrize("mode", [slow("full"), "ced_replay"])
+def test_other_prefill_modes(mode):
+    model, tokenizer = mlx_v41.load(golden_checkpoint("tiny"), prefill_mode=mode)
+    model = reference_ops(model)
+    texts = prompts([3, 50, 19], seed=8)
+    out = batch_generate(model, tokenizer, texts, max_tokens=5, prefill_step_size=STEP,
+                         return_token_ids=True)
+    stops = set(tokenizer.eos_token_ids)
+    assert out.token_ids == [[t for t in alone(model, tokenizer, text, max_tokens=5)
+                              if t not in stops] for text in texts]

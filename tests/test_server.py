@@ -132,6 +132,22 @@ BAD_BODIES = [
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "n must be 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "huge"}, 400,
      "reasoning_effort", "reasoning_effort"),
+    # json.dumps writes NaN / Infinity, which Python's JSON reader (the server's) accepts
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")}, 400,
+     "temperature", "finite number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("inf")}, 400,
+     "temperature", "finite number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": float("nan")}, 400, "top_p",
+     "finite number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed",
+     "greater than or equal to 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed",
+     "less than or equal to 18446744073709551615"),
+    # JSON's "\ud800" escape: a lone surrogate, which no UTF-8 text holds
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages.0.content",
+     "lone surrogate U+D800 at character 3 is not valid text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400,
+     "messages.0.content.0.text", "lone surrogate U+DFFF"),
 ]
 
 
@@ -151,6 +167,19 @@ def test_bad_input_through_openai_and_the_next_request_works(client):
         client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     reply = client.completions.create(model=MODEL_ID, prompt="ok", max_tokens=1)
+    assert reply.usage.completion_tokens == 1
+
+
+def test_lone_surrogates_in_completions_and_the_next_request_works(live, client):
+    """Sent raw: the `openai` client cannot encode a lone surrogate itself."""
+    code, reply = post(live.port, "/v1/completions", {"prompt": "a\ud800", "max_tokens": 1})
+    assert code == 400 and reply["error"]["param"] == "prompt"
+    assert reply["error"]["message"] == \
+        "prompt: lone surrogate U+D800 at character 1 is not valid text"
+    code, reply = post(live.port, "/v1/completions", b'{"prompt": "ok \\ud83d\\ude00", '
+                                                     b'"max_tokens": 1}')
+    assert code == 200 and reply["usage"]["completion_tokens"] == 1  # a pair is one character
+    reply = client.completions.create(model=MODEL_ID, prompt="ok", max_tokens=1, seed=2**64 - 1)
     assert reply.usage.completion_tokens == 1
 
 

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible API as typed pydantic models (OpenAI's field names).
-Types are strict (`"5"` is not a number, `1` not a boolean: a 400), unknown fields are
-ignored as OpenAI does, and a field we know but cannot honour is refused by name.
+Types are strict (`"5"` is not a number, `1` not a boolean, NaN and Infinity not numbers, a
+lone surrogate such as "\\ud800" not text: a 400), unknown fields are ignored as OpenAI does,
+and a field we know but cannot honour is refused by name.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat completions
 MAX_COMPLETION_LOGPROBS = 5  # and for completions
+MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
 class RequestError(ValueError):
@@ -23,7 +25,7 @@ class RequestError(ValueError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class ContentPart(_Body):
@@ -54,7 +56,7 @@ class ChatMessage(_Body):
 
 
 class FunctionSpec(_Body):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     name: str
     description: Optional[str] = None
     parameters: Optional[dict] = None
@@ -78,7 +80,7 @@ class _Generation(_Body):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)  # 0 and -1 (vLLM's "off") both disable it
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -141,8 +143,32 @@ def parse_body(model_class, body):
         error = e.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "body"
         raise RequestError(f"{where}: {error['msg']}", param=where) from None
+    _check_text(request.model_dump(exclude_none=True), "")
     _check_unsupported(request)
     return request
+
+
+def _check_text(value, where: str) -> None:
+    """Refuse a string (or key) holding a lone surrogate, which JSON's "\\ud800" escapes
+    allow but UTF-8 cannot carry; `where` names it as a validation error's location would."""
+    if isinstance(value, str):
+        _check_string(value, where, "")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_string(key, where, "a key's ")
+            _check_text(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}.{i}")
+
+
+def _check_string(text: str, where: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{where or 'body'}: {what}lone surrogate U+{ord(text[e.start]):04X} "
+                           f"at character {e.start} is not valid text", param=where or None
+                           ) from None
 
 
 def _check_unsupported(request) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -328,6 +329,35 @@ def test_flags_default_to_loopback_and_refuse_bad_values(capsys):
     with pytest.raises(SystemExit):
         cli.setup_arg_parser().parse_args(["--model", "x", "--prompt-cache-bytes", "lots"])
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["1e999", "-1", "nan"])
+def test_sizes_refuse_what_is_not_one(capsys, text):
+    with pytest.raises(SystemExit):
+        cli.setup_arg_parser().parse_args(["--model", "x", "--prompt-cache-bytes", text])
+    assert f"{text!r} is not a size" in capsys.readouterr().err
+
+
+def test_a_prompt_cache_dir_the_server_cannot_write_is_refused(capsys, tmp_path, monkeypatch):
+    """At startup, before the model loads: one line naming the flag and the path."""
+    (tmp_path / "file").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    for path, words in ((tmp_path / "file", f"'{tmp_path / 'file'}' is a file, not a folder"),
+                        (tmp_path / "file" / "sub",
+                         f"'{tmp_path / 'file' / 'sub'}': {tmp_path / 'file'} is a file"),
+                        (locked, f"'{locked}' is not writable"),
+                        (locked / "new", f"'{locked / 'new'}': {locked} is not writable")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--model", "/nonexistent/model", "--prompt-cache-dir", str(path)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert f"error: argument --prompt-cache-dir: {words}" in err, err
+    new = tmp_path / "new" / "prompts"  # made when the server starts
+    args = cli.setup_arg_parser().parse_args(["--model", "x", "--prompt-cache-dir", str(new)])
+    assert args.prompt_cache_dir == str(new) and not (tmp_path / "new").exists()
 
 
 def test_missing_model_is_one_line(capsys, tmp_path):

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Optional
 
 from .args import ArgumentParser, _number, add_model_arguments
@@ -35,9 +38,22 @@ def parse_size(text: str) -> int:
         value = float(match.group(1)) * SIZE_UNITS[unit] if match else -1
     except (ValueError, KeyError):
         value = -1
-    if value < 0:
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4G, 512MiB, 0)")
     return int(value)
+
+
+def writable_folder(text: str) -> str:
+    """A folder the server can create or write (checked at startup, made when the server
+    starts): an existing folder it may read and write, or a new one below a writable folder."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # "." ends a relative one
+    where = repr(text) if existing == path else f"{text!r}: {existing}"
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{where} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK | (os.R_OK if existing == path else 0)):
+        raise argparse.ArgumentTypeError(f"{where} is not writable")
+    return text
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -52,7 +68,7 @@ def setup_arg_parser() -> ArgumentParser:
         help="bytes of cached prompt prefixes kept in memory, least recently used dropped "
              f"first (default {DEFAULT_PROMPT_CACHE_BYTES}; 0 turns reuse off; across "
              "ranks, on each rank)")
-    add("--prompt-cache-dir", default=None,
+    add("--prompt-cache-dir", type=writable_folder, default=None,
         help="folder mirroring the prompt caches on disk: entries are written after each "
              "reply and loaded at start (only those of this checkpoint, config and "
              "--prefill-mode / --dspark; across ranks each rank keeps its share in its "

@@ -13,48 +13,11 @@ import argparse
 import re
 import sys
 
-from mlx.utils import tree_flatten
-
 from ..cache.layer import RING_FACTOR, rollback_limit
-from ..model.config import ConfigError, ModelArgs, TextConfig, official_config_path
-from ..model.schedule import FULL, ced_halo, decoder_start, format_schedule, layer_roles
-
-FP32_BYTES = 4
-
-
-def kv_row_bytes(cfg: TextConfig) -> tuple[int, int]:
-    """Packed main-KV row (E2M1 codes + E4M3 per 16) and index-key row (codes + E8M0 per 32)."""
-    return cfg.head_dim // 2 + cfg.head_dim // 16, cfg.index_head_dim // 2 + \
-        cfg.index_head_dim // 32
-
-
-def global_bytes_per_token(cfg: TextConfig) -> float:
-    """Length-dependent cache bytes per token: each kv owner stores one row pair per group."""
-    main, index = kv_row_bytes(cfg)
-    owners = [r for r in layer_roles(cfg)[:cfg.num_hidden_layers] if r.mode == FULL]
-    return sum((main + index) / r.ratio for r in owners)
-
-
-def fixed_cache_bytes(cfg: TextConfig) -> dict:
-    """Constant per-sequence state: window rings and the ratio-2 compressor-input rings."""
-    ring = RING_FACTOR * cfg.sliding_window
-    window = cfg.num_hidden_layers * ring * (cfg.head_dim + cfg.head_dim // 32)
-    owners = [r for r in layer_roles(cfg)[:cfg.num_hidden_layers] if r.mode == FULL
-              and r.ratio > 1]
-    inputs = len(owners) * ring * 2 * cfg.head_dim * FP32_BYTES
-    return {"window": window, "compressor_inputs": inputs}
-
-
-def weight_bytes(args: ModelArgs) -> tuple[int, int]:
-    """(resident weights, memory-mapped Engram tables) of the model as this package holds it."""
-    from ..model.model import Model
-
-    from ..model.engram import EngramTable
-
-    model = Model(args)  # parameters stay lazy: nothing is allocated
-    resident = sum(value.nbytes for _, value in tree_flatten(model.parameters()))
-    tables = sum(m.nbytes for _, m in model.named_modules() if isinstance(m, EngramTable))
-    return resident, tables
+from ..model.config import ConfigError, ModelArgs, official_config_path
+from ..model.memory import (fixed_cache_bytes, global_bytes_per_token,  # noqa: F401 (API)
+                            kv_row_bytes, weight_bytes)
+from ..model.schedule import ced_halo, decoder_start, format_schedule, layer_roles
 
 
 def parse_count(text: str) -> int:

@@ -18,6 +18,7 @@ import uvicorn
 import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.server import Engine, PromptCacheStore, ServerConfig, create_app
+from mlx_v41.server.batch_engine import BatchEngine
 from checkpoint_factory import tiny_text_config, write_checkpoint
 from conftest import golden_checkpoint
 
@@ -83,14 +84,21 @@ def _raising(error: Exception):
 
 
 class LiveServer:
-    """`create_app` served by uvicorn in a thread; `close()` shuts it down like Ctrl-C."""
+    """`create_app` served by uvicorn in a thread; `close()` shuts it down like Ctrl-C. The
+    engine batches (`BatchEngine`, with `batching` options) as `mlx_v41.server` does, unless
+    `serial` or a `draft` asks for the one-at-a-time `Engine`."""
 
     def __init__(self, model, tokenizer, *, folder=None, cache_bytes=1 << 30,
-                 max_concurrent=8, draft=None, hook=None, **config):
+                 max_concurrent=8, draft=None, hook=None, serial=False, batching=None,
+                 **config):
         self.hook = hook
         self.store = PromptCacheStore(model, cache_bytes, folder)
-        self.engine = Engine(model, tokenizer, self.store, max_concurrent=max_concurrent,
-                             draft=draft)
+        if serial or draft:
+            self.engine = Engine(model, tokenizer, self.store, max_concurrent=max_concurrent,
+                                 draft=draft)
+        else:
+            self.engine = BatchEngine(model, tokenizer, self.store,
+                                      max_concurrent=max_concurrent, **(batching or {}))
         self.app = create_app(self.engine, ServerConfig(model_id=MODEL_ID, **config), hook)
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))

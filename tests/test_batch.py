@@ -181,11 +181,16 @@ def test_a_failing_sequence_fails_alone(loaded):
             raise RuntimeError("processor broke")
         return logits
 
+    def at_once(history, logits):
+        raise RuntimeError("processor broke at the first token")
+
     generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, max_tokens=8,
                                prefill_step_size=STEP)
-    uids = generator.insert(texts, logits_processors=[None, [bad], None])
+    uids = generator.insert(texts + texts[:1],
+                            logits_processors=[None, [bad], None, [at_once]])
     out = run(generator)
     assert isinstance(out[uids[1]], RuntimeError)
+    assert "first token" in str(out[uids[3]])
     for uid, text in ((uids[0], texts[0]), (uids[2], texts[2])):
         assert out[uid] == alone(model, tokenizer, text), uid
     with pytest.raises(ValueError, match="prompts\\[1\\] is empty"):

@@ -24,8 +24,9 @@ from ..server.routes import DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
 DEFAULT_PROMPT_CACHE_BYTES = "4G"
-DEFAULT_MAX_CONCURRENT = 32
-SHUTDOWN_GRACE_SECONDS = 5  # open streams get this long after Ctrl-C, then they are cancelled
+DEFAULT_MAX_CONCURRENT = 64
+DEFAULT_DECODE_CONCURRENCY, DEFAULT_PROMPT_CONCURRENCY = 32, 8  # mlx-lm's server defaults
+SHUTDOWN_GRACE_SECONDS = 4  # open replies get this long after Ctrl-C, then they are cancelled
 SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "KIB": 2**10, "MIB": 2**20,
               "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -77,6 +78,24 @@ def setup_arg_parser() -> ArgumentParser:
         default=DEFAULT_MAX_CONCURRENT,
         help="requests queued or running at most; more get HTTP 429 "
              f"(default {DEFAULT_MAX_CONCURRENT})")
+    add("--decode-concurrency", type=_number(int, 1, what="a positive integer"),
+        default=DEFAULT_DECODE_CONCURRENCY,
+        help="most sequences decoding together in one batch (default "
+             f"{DEFAULT_DECODE_CONCURRENCY}; 1 serves one request at a time, batched steps)")
+    add("--prompt-concurrency", type=_number(int, 1, what="a positive integer"),
+        default=DEFAULT_PROMPT_CONCURRENCY,
+        help="most prompts prefilled at once, chunk by chunk between decode steps (default "
+             f"{DEFAULT_PROMPT_CONCURRENCY})")
+    add("--kv-budget", type=parse_size, default=None,
+        help="bytes the running sequences' caches may take together, each counted at its "
+             "prompt + max_tokens; a request waits until it fits (default: 90%% of the "
+             "machine's memory beside the weights and --prompt-cache-bytes)")
+    add("--max-prompt-tokens", type=_number(int, 1, what="a positive integer"), default=None,
+        help="longest prompt accepted, in tokens; longer ones get HTTP 400 before any work "
+             "(default: the model's context)")
+    add("--serial", action="store_true",
+        help="serve one request after another (the engine before batching; DSpark and "
+             "several ranks always do)")
     add("--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
         help="decoded bytes of one image part at most; larger ones get HTTP 400 "
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
@@ -102,24 +121,31 @@ def build_app(args):
                                         dspark=args.dspark, head_dtype=args.head_dtype)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    kind, group = Engine, ONE_PROCESS
+    kind, group, batching = Engine, ONE_PROCESS, {}
     if loader:
         from ..server.ranks import Follower, GroupEngine
 
         group = model.group
         kind = GroupEngine if group.link.rank == 0 else Follower
+    elif not args.dspark and not args.serial:
+        from ..server.batch_engine import BatchEngine
+
+        kind = BatchEngine
+        batching = {"decode_concurrency": args.decode_concurrency,
+                    "prompt_concurrency": args.prompt_concurrency, "kv_budget": args.kv_budget}
     store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir, group)
     engine = kind(model, tokenizer, store, group=group,
                   prefill_step_size=args.prefill_step_size,
                   draft="dspark" if args.dspark else None,
                   num_draft_tokens=args.num_draft_tokens,
                   draft_confidence=args.draft_confidence,
-                  max_concurrent=args.max_concurrent_requests)
+                  max_concurrent=args.max_concurrent_requests, **batching)
     config = ServerConfig(model_id=args.model, max_tokens=args.max_tokens, temp=args.temp,
                           top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                           thinking=args.thinking, reasoning_effort=args.reasoning_effort,
                           system_prompt=args.system_prompt,
-                          max_image_bytes=args.max_image_bytes)
+                          max_image_bytes=args.max_image_bytes,
+                          max_prompt_tokens=args.max_prompt_tokens)
     return create_app(engine, config)
 
 

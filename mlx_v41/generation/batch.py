@@ -144,6 +144,8 @@ class BatchGenerator:
         prefill_step_size: prompt tokens per prefill chunk (as `stream_generate`'s).
         prefill_budget: prompt tokens prefilled per step at most (at least one chunk runs
             when any prompt waits); default one chunk.
+        on_prefilled: called as (uid, cache) when a prompt is in its cache, before its first
+            token is fed (a server keeps the prompt's cache for reuse there).
     """
 
     def __init__(self, model, *, max_tokens: int = 128,
@@ -151,7 +153,8 @@ class BatchGenerator:
                  logits_processors=None, completion_batch_size: int = 32,
                  prefill_batch_size: int = 8,
                  prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
-                 prefill_budget: Optional[int] = None):
+                 prefill_budget: Optional[int] = None,
+                 on_prefilled: Optional[Callable[[int, list], None]] = None):
         for name, value in (("completion_batch_size", completion_batch_size),
                             ("prefill_batch_size", prefill_batch_size)):
             if not isinstance(value, int) or value < 1:
@@ -167,6 +170,7 @@ class BatchGenerator:
         self.prefill_batch_size = prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.prefill_budget = prefill_budget or prefill_step_size or 0
+        self.on_prefilled = on_prefilled
         self.waiting: deque = deque()   # inserted, not yet prefilling
         self.prefilling: deque = deque()  # round-robin order
         self.decoding: list = []
@@ -176,13 +180,15 @@ class BatchGenerator:
     # ------------------------------------------------------------------ the API
 
     def insert(self, prompts: Sequence[Sequence[int]], max_tokens=None, caches=None,
-               samplers=None, logits_processors=None, seeds=None, images=None) -> list:
+               samplers=None, logits_processors=None, seeds=None, images=None,
+               histories=None) -> list:
         """Queue prompts (token ids); their uids. Per prompt, optionally: `max_tokens`,
         `caches` (a cache holding a prefix; the prompt is appended to it in place),
         `samplers`, `logits_processors` (a list per prompt), `seeds` (the sequence then
         samples from its own random stream, as a batch-1 run after `mx.random.seed(seed)`),
-        `images` (`vision.ImageInputs` of the prompt's spans). Bad arguments raise before
-        anything is queued."""
+        `images` (`vision.ImageInputs` of the prompt's spans), `histories` (the tokens the
+        processors see before the reply; default the prompt: pass the whole prompt when a
+        cache holds part of it). Bad arguments raise before anything is queued."""
         n = len(prompts)
 
         def per(name, values, default):
@@ -200,6 +206,7 @@ class BatchGenerator:
         processors = per("logits_processors", logits_processors, None)
         seeds = per("seeds", seeds, None)
         images = per("images", images, None)
+        histories = per("histories", histories, None)
         made = []
         for i, prompt in enumerate(prompts):
             prompt = [int(t) for t in prompt]
@@ -215,7 +222,9 @@ class BatchGenerator:
             made.append(BatchSequence(
                 0, prompt, cache, min(max_tokens[i], room), samplers[i] or self.sampler,
                 list(self.logits_processors if processors[i] is None else processors[i]),
-                key, images[i]))
+                key, images[i], history=mx.array(
+                    prompt if histories[i] is None else [int(t) for t in histories[i]],
+                    dtype=mx.int32)))
         uids = []
         for seq in made:
             seq.uid, self._uid = self._uid, self._uid + 1
@@ -294,12 +303,13 @@ class BatchGenerator:
             seq = self.prefilling.popleft()
             before = seq.prefilled
             try:
-                next(seq.steps)
-                self.prefilling.append(seq)  # more to do: to the back of the queue
-            except StopIteration as end:
-                seq.steps = None
-                self._start_decoding(seq, end.value.logits)
-            except Exception as e:
+                try:
+                    next(seq.steps)
+                    self.prefilling.append(seq)  # more to do: to the back of the queue
+                except StopIteration as end:
+                    seq.steps = None
+                    self._start_decoding(seq, end.value.logits)
+            except Exception as e:  # the prompt, or its first sample (a processor), failed
                 seq.steps = None
                 responses.append(self._fail(seq, e))
             spent += max(seq.prefilled - before, 0)
@@ -310,7 +320,8 @@ class BatchGenerator:
 
     def _start_decoding(self, seq, logits) -> None:
         """The prompt is in: sample its first token; the sequence joins the decode batch."""
-        seq.history = mx.array(seq.prompt, dtype=mx.int32)
+        if self.on_prefilled is not None:
+            self.on_prefilled(seq.uid, seq.cache)
         if seq.max_tokens == 0:
             seq.finish_reason = "length"
         else:

@@ -39,7 +39,8 @@ DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
 class ServerConfig:
     """What the CLI decides for every request: the served name, the values of fields a
     request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings) and
-    the limits on each image part (decoded bytes, width x height)."""
+    the limits on each image part (decoded bytes, width x height) and on a prompt's tokens
+    (None: the model's context)."""
 
     model_id: str
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -52,6 +53,7 @@ class ServerConfig:
     system_prompt: Optional[str] = None
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_prompt_tokens: Optional[int] = None
 
     def check_model(self, name: Optional[str]) -> None:
         if name not in (None, self.model_id, Path(self.model_id).name, DEFAULT_MODEL_ALIAS):
@@ -197,11 +199,16 @@ def _completion_prompt(app: FastAPI, body: CompletionRequest) -> ImagePrompt:
 
 
 def _submit(app: FastAPI, body, prompt: ImagePrompt, allow_calls: bool):
-    engine = app.state.engine
+    engine, limit = app.state.engine, app.state.config.max_prompt_tokens
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if limit is not None and len(prompt.ids) > limit:
+        raise RequestError(f"the prompt has {len(prompt.ids):,} tokens, more than this "
+                           f"server's limit of {limit:,} (--max-prompt-tokens)", param=param,
+                           code="context_length_exceeded")
     try:
         check_context(engine.model, 0, len(prompt.ids))
     except PromptTooLongError as e:
-        raise RequestError(str(e), param="messages", code="context_length_exceeded") from None
+        raise RequestError(str(e), param=param, code="context_length_exceeded") from None
     return engine.submit(prompt, _settings(app, body, prompt.ids, allow_calls))
 
 

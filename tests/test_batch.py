@@ -268,3 +268,26 @@ def test_other_prefill_modes(mode):
     stops = set(tokenizer.eos_token_ids)
     assert out.token_ids == [[t for t in alone(model, tokenizer, text, max_tokens=5)
                               if t not in stops] for text in texts]
+
+
+def test_forks_share_one_prefill(loaded):
+    """n replies from one prefill: each fork samples as a batch-1 run with its seed would."""
+    model, tokenizer = loaded
+    from mlx_lm.sample_utils import make_sampler
+
+    text, = prompts([37], seed=9)
+    sampler = make_sampler(1.0)
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=6, prefill_step_size=STEP)
+    parent = generator.insert([text], samplers=[sampler], seeds=[1])[0]
+    children = generator.fork(parent, 3, samplers=[sampler] * 3, seeds=[2, 3, 4])
+    gone = generator.fork(parent, 1)[0]
+    generator.remove([gone])
+    out = run(generator)
+    assert sorted(out) == sorted([parent, *children])
+    assert generator.counters.prompt_tokens == len(text)  # one prefill
+    for uid, seed in zip([parent, *children], [1, 2, 3, 4]):
+        assert out[uid] == alone(model, tokenizer, text, max_tokens=6, sampler=sampler,
+                                 seed=seed), uid
+    assert len({tuple(v) for v in out.values()}) > 1
+    with pytest.raises(ValueError, match="not waiting"):
+        generator.fork(parent, 1)

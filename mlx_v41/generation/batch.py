@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -124,6 +124,7 @@ class BatchSequence:
     generated: int = 0
     finish_reason: Optional[str] = None
     prefilled: int = 0  # prompt tokens in the cache so far
+    forks: list = field(default_factory=list)  # sequences that branch off once the prompt is in
 
     def progress(self, done: int, total: int) -> None:
         self.prefilled = done
@@ -232,10 +233,39 @@ class BatchGenerator:
             uids.append(seq.uid)
         return uids
 
+    def fork(self, uid: int, n: int, samplers=None, logits_processors=None,
+             seeds=None) -> list:
+        """`n` more sequences that share the prompt of `uid` (waiting or prefilling): once
+        that prompt is in, each continues a copy of its cache, sampling its first token from
+        the same logits with its own sampler, processors and seed (OpenAI's `n`: n replies,
+        one prefill). Their uids."""
+        parent = next((s for s in [*self.waiting, *self.prefilling] if s.uid == uid), None)
+        if parent is None:
+            raise ValueError(f"sequence {uid} is not waiting for its prompt: fork a sequence "
+                             "before its prompt is in")
+        samplers = samplers or [None] * n
+        processors = logits_processors or [None] * n
+        seeds = seeds or [None] * n
+        if not len(samplers) == len(processors) == len(seeds) == n:
+            raise ValueError(f"fork: samplers, logits_processors and seeds need {n} entries")
+        uids = []
+        for sampler, procs, seed in zip(samplers, processors, seeds):
+            key = None if seed is None else RandomKey(seed)
+            child = BatchSequence(self._uid, parent.prompt, None, parent.max_tokens,
+                                  sampler or self.sampler,
+                                  list(parent.processors if procs is None else procs), key,
+                                  history=parent.history)
+            self._uid += 1
+            parent.forks.append(child)
+            uids.append(child.uid)
+        return uids
+
     def remove(self, uids, return_prompt_caches: bool = False) -> dict:
         """Drop sequences wherever they are (a prompt being prefilled is abandoned and its
         cache left as it was before); {uid: cache} with `return_prompt_caches`."""
         uids, out = set(uids), {}
+        for seq in [*self.waiting, *self.prefilling]:  # forks not branched yet
+            seq.forks = [f for f in seq.forks if f.uid not in uids]
         for group in (self.waiting, self.prefilling, self.decoding):
             for seq in [s for s in group if s.uid in uids]:
                 group.remove(seq)
@@ -322,11 +352,15 @@ class BatchGenerator:
         """The prompt is in: sample its first token; the sequence joins the decode batch."""
         if self.on_prefilled is not None:
             self.on_prefilled(seq.uid, seq.cache)
-        if seq.max_tokens == 0:
-            seq.finish_reason = "length"
-        else:
-            self._sample(seq, logits[:, -1, :])
-        self.decoding.append(seq)
+        forks, seq.forks = seq.forks, []
+        for child in forks:  # copies share the arrays: nothing is copied until they differ
+            child.cache = copy_cache(seq.cache)
+        for one in (seq, *forks):
+            if one.max_tokens == 0:
+                one.finish_reason = "length"
+            else:
+                self._sample(one, logits[:, -1, :])
+            self.decoding.append(one)
 
     def _sample(self, seq, logits) -> None:
         """Sample the next token from `logits` [1, V] as `generate_step` does."""

@@ -351,3 +351,19 @@ def test_dspark_after_an_image_prompt(folder, twins):
     drafted = [r.token for r in mlx_v41.stream_generate(model, tokenizer, "<｜deepseek_image｜>?",
                                                         draft="dspark", **kwargs)]
     assert drafted == plain and len(plain) == 8
+
+
+def test_image_prompts_in_a_batch(loaded):
+    """Image prompts are prefilled alone, then decode in a batch with text prompts: every
+    sequence gets its batch-1 tokens."""
+    model, tokenizer = loaded
+    texts = ["Look: <｜deepseek_image｜> - what?", "No image here, just words.",
+             "Compare <｜deepseek_image｜> with <｜deepseek_image｜>."]
+    images = [IMAGES[:1], None, IMAGES]
+    out = mlx_v41.batch_generate(model, tokenizer, texts, max_tokens=4, images=images,
+                                 return_token_ids=True)
+    stops = set(tokenizer.eos_token_ids)
+    for text, pictures, ids in zip(texts, images, out.token_ids):
+        alone = [r.token for r in mlx_v41.stream_generate(model, tokenizer, text, max_tokens=4,
+                                                          images=pictures)]
+        assert ids == [t for t in alone if t not in stops]

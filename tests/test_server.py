@@ -129,7 +129,7 @@ BAD_BODIES = [
      "messages[0].content[0]", "not an image"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice", "not supported"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "n must be 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n", "at most 16"),
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "huge"}, 400,
      "reasoning_effort", "reasoning_effort"),
     # json.dumps writes NaN / Infinity, which Python's JSON reader (the server's) accepts

@@ -280,3 +280,37 @@ def _quiet_post(port, body):
         post(port, "/v1/completions", body, timeout=60)
     except Exception:  # noqa: BLE001 - the server goes away mid-request: that is the test
         pass
+
+
+def test_n_choices_share_one_prefill(live):
+    """`n` = 3 with a seed: one prefill, three choices, choice i equal to a request with seed +
+    i, in chat (streamed and not) and completions; usage counts the prompt once."""
+    model, tokenizer = tiny()
+    client = live.client()
+    text, seed = words(21, 50), 40
+    prompt_tokens = live.engine.generator.counters.prompt_tokens
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": text}], max_tokens=6, n=3,
+        seed=seed, temperature=1.0, extra_body=CHAT_OFF)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        enable_thinking=False)
+    assert live.engine.generator.counters.prompt_tokens - prompt_tokens <= len(ids)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    singles = [expected(model, tokenizer, text, 6, seed + i, 1.0) for i in range(3)]
+    assert [(c.message.content) for c in reply.choices] == [t for t, _ in singles]
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens == sum(n for _, n in singles)
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": text}], max_tokens=6, n=3,
+        seed=seed, temperature=1.0, stream=True, stream_options={"include_usage": True},
+        extra_body=CHAT_OFF)
+    texts, usage = ["", "", ""], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts == [t for t, _ in singles]
+    assert usage.completion_tokens == reply.usage.completion_tokens
+    completion = client.completions.create(model=MODEL_ID, prompt=text, max_tokens=4, n=2)
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy: the same

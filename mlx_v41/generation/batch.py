@@ -238,7 +238,8 @@ class BatchGenerator:
         """`n` more sequences that share the prompt of `uid` (waiting or prefilling): once
         that prompt is in, each continues a copy of its cache, sampling its first token from
         the same logits with its own sampler, processors and seed (OpenAI's `n`: n replies,
-        one prefill). Their uids."""
+        one prefill). Their uids. Removing `uid` before its prompt is in removes them too, and
+        if its prompt fails, they fail with it."""
         parent = next((s for s in [*self.waiting, *self.prefilling] if s.uid == uid), None)
         if parent is None:
             raise ValueError(f"sequence {uid} is not waiting for its prompt: fork a sequence "
@@ -321,7 +322,7 @@ class BatchGenerator:
                                           step_size=self.prefill_step_size, images=seq.images,
                                           progress=seq.progress)
             except Exception as e:
-                responses.append(self._fail(seq, e))
+                responses += self._fail(seq, e)
                 continue
             self.prefilling.append(seq)
         return responses
@@ -341,7 +342,7 @@ class BatchGenerator:
                     self._start_decoding(seq, end.value.logits)
             except Exception as e:  # the prompt, or its first sample (a processor), failed
                 seq.steps = None
-                responses.append(self._fail(seq, e))
+                responses += self._fail(seq, e)
             spent += max(seq.prefilled - before, 0)
         if spent:
             self.counters.prompt_time += time.perf_counter() - tic
@@ -399,7 +400,7 @@ class BatchGenerator:
                     self._sample(seq, logits[b:b + 1, -1, :])
                 except Exception as e:  # a processor or sampler that raises
                     responses.append(response)
-                    responses.append(self._fail(seq, e))
+                    responses += self._fail(seq, e)
                     continue
             else:
                 response = self._finish(seq, response)
@@ -417,11 +418,14 @@ class BatchGenerator:
         response.prompt_cache = seq.cache
         return response
 
-    def _fail(self, seq, error: BaseException) -> Response:
+    def _fail(self, seq, error: BaseException) -> list:
+        """The sequence leaves with an "error" response (and so do its forks not yet
+        branched: they share its prompt)."""
         for group in (self.prefilling, self.decoding):
             if seq in group:
                 group.remove(seq)
-        return Response(seq.uid, -1, None, "error", seq.cache, error)
+        forks, seq.forks = seq.forks, []
+        return [Response(one.uid, -1, None, "error", one.cache, error) for one in (seq, *forks)]
 
 
 def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]],

@@ -104,6 +104,13 @@ class BatchEngine(Engine):
         """Bytes a request's cache may reach: its prompt and every token it may generate."""
         return session_bytes(self.model.cfg, len(job.prompt.ids) + job.settings.max_tokens)
 
+    def submit_many(self, prompt, settings: list) -> list:
+        """One job per choice (OpenAI's `n`); the first one's prefill serves them all (the
+        others are forks of its sequence, `BatchGenerator.fork`)."""
+        jobs = super().submit_many(prompt, settings)
+        jobs[0].siblings = jobs[1:]
+        return jobs
+
     def submit(self, prompt, settings) -> Job:
         job = super().submit(prompt, settings)
         need = self.reserve(job)
@@ -175,18 +182,22 @@ class BatchEngine(Engine):
         held = sum(run.reserved for run in self.running.values())
         while self.waiting and len(self.running) < self.generator.completion_batch_size:
             job = self.waiting[0]
-            need = self.reserve(job)
+            siblings = [s for s in job.siblings if s in self.waiting]
+            need = self.reserve(job) * (1 + len(siblings))
             if held + need > self.kv_budget and self.running:
                 return  # it waits for memory (in order: no overtaking)
             self.waiting.popleft()
+            for sibling in siblings:  # they share this job's prefill
+                self.waiting.remove(sibling)
             try:
-                self._insert(job, need)
+                self._insert(job, need, siblings)
                 held += need
             except Exception as e:  # a bad image, a prompt the model refuses: this one fails
                 log.exception("request failed")
-                self._end(job, e)
+                for one in (job, *siblings):
+                    self._end(one, e)
 
-    def _insert(self, job: Job, need: int) -> None:
+    def _insert(self, job: Job, need: int, siblings: list = ()) -> None:
         settings, prompt = job.settings, job.prompt
         state = self.store.take(self._reuse(job))
         cached = len(state.tokens)
@@ -197,11 +208,24 @@ class BatchEngine(Engine):
             [todo], [settings.max_tokens], [state.cache], samplers=[self._sampler(settings)],
             logits_processors=[list(settings.processors)], seeds=[settings.seed],
             images=[images], histories=[prompt.ids])
-        self.running[uid] = _Running(job, state, cached, todo, need,
+        self.running[uid] = _Running(job, state, cached, todo, need // (1 + len(siblings)),
                                      self.tokenizer.detokenizer, StopStrings(settings.stops))
+        if siblings:
+            forks = self.generator.fork(
+                uid, len(siblings), samplers=[self._sampler(s.settings) for s in siblings],
+                logits_processors=[list(s.settings.processors) for s in siblings],
+                seeds=[s.settings.seed for s in siblings])
+            for sibling, child in zip(siblings, forks):
+                self.running[child] = _Running(sibling, None, cached, todo,
+                                               need // (1 + len(siblings)),
+                                               self.tokenizer.detokenizer,
+                                               StopStrings(sibling.settings.stops))
 
     def _prefilled(self, uid: int, cache: list) -> None:
         run = self.running[uid]
+        for other in self.running.values():
+            if other.todo is run.todo:  # the forks of this prompt: it is in for them too
+                other.prefill_seconds = time.perf_counter() - other.tic
         run.prefill_seconds = time.perf_counter() - run.tic
         run.state.tokens.extend(run.todo)
         run.state.images = run.job.prompt.records()

@@ -57,6 +57,7 @@ class Token:
     token: int
     logprob: Optional[float] = None
     top: Optional[list] = None  # [(token id, logprob)], best first
+    index: int = 0  # the choice (OpenAI's `n`)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Finish:
     completion_tokens: int
     cached_tokens: int
     text: str = ""
+    index: int = 0  # the choice (OpenAI's `n`)
 
 
 class StopStrings:
@@ -100,8 +102,12 @@ class Job:
         self.cancelled = threading.Event()
         self.finish: Optional[Finish] = None
         self.reuse = None  # across ranks: rank 0's choice of a cached prefix, shared
+        self.index = 0  # the choice it answers (OpenAI's `n`)
+        self.siblings: list = []  # the other choices' jobs, which share this one's prefill
 
     def put(self, item) -> None:
+        if isinstance(item, (Token, Finish)):
+            item.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone: nobody listens any more
@@ -188,6 +194,21 @@ class Engine:
             self._jobs.add(job)
         self._queue.put(job)
         return job
+
+    def submit_many(self, prompt, settings: list) -> list:
+        """One job per choice of a request with `n` = len(settings) > 1 (here: each runs its
+        own request; the prompt cache makes the later prefills short). All or none queued."""
+        jobs = []
+        try:
+            for s in settings:
+                jobs.append(self.submit(prompt, s))
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        for i, job in enumerate(jobs):
+            job.index = i
+        return jobs
 
     # ------------------------------------------------------------------ worker thread
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat completions
 MAX_COMPLETION_LOGPROBS = 5  # and for completions
+MAX_CHOICES = 16  # most choices (`n`) per request: each is a sequence of the batch
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
@@ -173,8 +174,8 @@ def _check_string(text: str, where: str, what: str) -> None:
 
 def _check_unsupported(request) -> None:
     """Known OpenAI fields whose non-default values this server cannot honour."""
-    if request.n != 1:
-        raise RequestError("n must be 1: one choice per request", param="n")
+    if request.n > MAX_CHOICES:
+        raise RequestError(f"n must be at most {MAX_CHOICES}", param="n")
     if isinstance(request, CompletionRequest):
         if request.echo or request.suffix or (request.best_of or 1) > 1:
             raise RequestError("echo, suffix and best_of are not supported", param="prompt")

@@ -36,6 +36,14 @@ def usage(finish: Finish) -> dict:
             "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
 
 
+def sum_usage(usages: list) -> dict:
+    """The usage of a request with several choices: the prompt once, completions summed."""
+    first = usages[0]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return dict(first, completion_tokens=completion,
+                total_tokens=first["prompt_tokens"] + completion)
+
+
 def finish_reason(finish: Finish, has_calls: bool = False) -> str:
     if finish.reason == "stop" and has_calls:
         return "tool_calls"
@@ -84,19 +92,28 @@ class TokenText:
 class ChatStream:
     """Builds the chunks of one streamed chat completion."""
 
-    def __init__(self, model_id: str, token_text: TokenText):
+    def __init__(self, model_id: str, token_text: TokenText, index: int = 0):
         self.id, self.created, self.model = new_id("chatcmpl-"), int(time.time()), model_id
-        self.token_text, self.call_ids = token_text, []
+        self.token_text, self.call_ids, self.index = token_text, [], index
+
+    def choice(self, index: int) -> "ChatStream":
+        """The stream of choice `index` of the same completion (its id and time)."""
+        other = ChatStream(self.model, self.token_text, index)
+        other.id, other.created = self.id, self.created
+        return other
 
     def chunk(self, delta: dict, reason: Optional[str] = None, tokens=()) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": self.token_text.chat_logprobs(
-            list(tokens)), "finish_reason": reason}
+        choice = {"index": self.index, "delta": delta, "logprobs":
+                  self.token_text.chat_logprobs(list(tokens)), "finish_reason": reason}
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": [choice]}
 
-    def usage_chunk(self, finish: Finish) -> dict:
+    def usage_chunk(self, finish: Optional[Finish] = None,
+                    totals: Optional[dict] = None) -> dict:
+        """The usage chunk: of `finish`, or the given `totals` (several choices)."""
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [], "usage": usage(finish)}
+                "model": self.model, "choices": [],
+                "usage": totals if totals is not None else usage(finish)}
 
     def delta(self, d: Delta) -> dict:
         if d.kind in ("reasoning", "content"):
@@ -126,10 +143,15 @@ def chat_completion(model_id: str, reply: Reply, finish: Finish, tokens: list,
 
 
 def completion_chunk(cid: str, created: int, model_id: str, text: str,
-                     logprobs: Optional[dict], reason: Optional[str]) -> dict:
+                     logprobs: Optional[dict], reason: Optional[str], index: int = 0) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": reason}]}
+
+
+def completion_usage_chunk(cid: str, created: int, model_id: str, totals: dict) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model_id,
+            "choices": [], "usage": totals}
 
 
 def completion(model_id: str, tokens: list, finish: Finish, token_text: TokenText) -> dict:

@@ -7,6 +7,7 @@ away cancels its request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -26,7 +27,8 @@ from .engine import Engine, EngineBusy, EngineClosed, Settings, Token
 from .images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReader
 from .messages import allows_tool_calls, chat_messages, thinking_mode
 from .processors import processor_fields, processors_from
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from .protocol import (MAX_SEED, ChatCompletionRequest, CompletionRequest, RequestError,
+                       parse_body)
 from .reply_parser import Reply, ReplyParser, parse_reply
 from . import responses as out
 
@@ -128,19 +130,28 @@ def _add_routes(app: FastAPI) -> None:
         body = parse_body(ChatCompletionRequest, await _json(request))
         app.state.config.check_model(body.model)
         prompt, thinking, allow_calls = _chat_prompt(app, body)
-        job = _submit(app, body, prompt, allow_calls)
+        jobs = _submit(app, body, prompt, allow_calls)
         if body.stream:
-            return _sse(_chat_stream(app, body, job, thinking), job)
-        return await _until_done(request, job, _chat_result(app, job, thinking))
+            stream = out.ChatStream(app.state.config.model_id, app.state.token_text)
+            return _sse(_merged([_chat_stream(app, body, job, thinking, stream.choice(i),
+                                              len(jobs) == 1)
+                                 for i, job in enumerate(jobs)], body, jobs, stream), jobs)
+        return await _until_done(request, jobs, _gathered(
+            [_chat_result(app, job, thinking) for job in jobs]))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_body(CompletionRequest, await _json(request))
         app.state.config.check_model(body.model)
-        job = _submit(app, body, _completion_prompt(app, body), True)
+        jobs = _submit(app, body, _completion_prompt(app, body), True)
         if body.stream:
-            return _sse(_completion_stream(app, body, job), job)
-        return await _until_done(request, job, _completion_result(app, job))
+            cid, created = out.new_id("cmpl-"), int(time.time())
+            return _sse(_merged([_completion_stream(app, body, job, cid, created, i,
+                                                    len(jobs) == 1)
+                                 for i, job in enumerate(jobs)], body, jobs, None,
+                                (cid, created, app.state.config.model_id)), jobs)
+        return await _until_done(request, jobs, _gathered(
+            [_completion_result(app, job) for job in jobs]))
 
 
 async def _json(request: Request):
@@ -209,7 +220,15 @@ def _submit(app: FastAPI, body, prompt: ImagePrompt, allow_calls: bool):
         check_context(engine.model, 0, len(prompt.ids))
     except PromptTooLongError as e:
         raise RequestError(str(e), param=param, code="context_length_exceeded") from None
-    return engine.submit(prompt, _settings(app, body, prompt.ids, allow_calls))
+    settings = _settings(app, body, prompt.ids, allow_calls)
+    if body.n == 1:
+        return [engine.submit(prompt, settings)]
+    # n choices: one sequence each, from one prefill where the engine batches; with a seed,
+    # choice i samples with seed + i (so each is what a request with that seed gives)
+    choices = [dataclasses.replace(settings, seed=None if settings.seed is None else
+                                   (settings.seed + i) % (MAX_SEED + 1))
+               for i in range(body.n)]
+    return engine.submit_many(prompt, choices)
 
 
 def _settings(app: FastAPI, body, prompt: list, allow_calls: bool) -> Settings:
@@ -226,30 +245,81 @@ def _settings(app: FastAPI, body, prompt: list, allow_calls: bool) -> Settings:
                     processors=processors, processor_fields=fields)
 
 
-def _sse(events, job) -> StreamingResponse:
+def _sse(events, jobs: list) -> StreamingResponse:
     async def guarded():
         try:
             async for text in events:
                 yield text
         finally:  # the client went away (or the stream ended): stop the generation
-            if job.finish is None:
-                job.cancel()
+            for job in jobs:
+                if job.finish is None:
+                    job.cancel()
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _until_done(request: Request, job, result):
-    """Await a non-streamed result; a client that disconnects first cancels the job."""
+async def _merged(streams: list, body, jobs: list, chat: Optional[out.ChatStream],
+                  ids: tuple = ()):
+    """The SSE events of one choice's stream (n = 1), or of several interleaved as their
+    tokens come, then one usage chunk (when asked; `chat`'s, or a completion's with `ids` =
+    (id, created, model)) and [DONE]."""
+    if len(streams) == 1:
+        async for text in streams[0]:
+            yield text
+        return
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream):
+        try:
+            async for text in stream:
+                await events.put(text)
+        finally:
+            await events.put(None)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            text = await events.get()
+            if text is None:
+                left -= 1
+            else:
+                yield text
+    finally:
+        for task in tasks:
+            task.cancel()
+    if all(job.finish is not None for job in jobs):
+        if body.stream_options and body.stream_options.include_usage:
+            total = out.sum_usage([out.usage(job.finish) for job in jobs])
+            yield out.sse(chat.usage_chunk(totals=total) if chat is not None else
+                          out.completion_usage_chunk(*ids, total))
+        yield out.SSE_DONE
+
+
+async def _until_done(request: Request, jobs: list, result):
+    """Await a non-streamed result; a client that disconnects first cancels the jobs."""
     async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
         return await result
     finally:
         watcher.cancel()
+
+
+async def _gathered(results: list) -> dict:
+    """One body from the bodies of each choice: their choices in order, usage summed."""
+    bodies = await asyncio.gather(*results)
+    if len(bodies) == 1:
+        return bodies[0]
+    body = dict(bodies[0])
+    body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+    body["usage"] = out.sum_usage([b["usage"] for b in bodies])
+    return body
 
 
 async def _collect(job) -> tuple:
@@ -274,8 +344,9 @@ async def _completion_result(app: FastAPI, job):
     return out.completion(app.state.config.model_id, tokens, finish, app.state.token_text)
 
 
-async def _chat_stream(app: FastAPI, body: ChatCompletionRequest, job, thinking: bool):
-    stream = out.ChatStream(app.state.config.model_id, app.state.token_text)
+async def _chat_stream(app: FastAPI, body: ChatCompletionRequest, job, thinking: bool,
+                       stream: out.ChatStream, last: bool = True):
+    """One choice's chunks; with `last`, then the usage chunk (when asked) and [DONE]."""
     parser, reply, pending = ReplyParser(thinking), Reply(), []
     yield out.sse(stream.chunk({"role": "assistant", "content": ""}))
     try:
@@ -296,29 +367,31 @@ async def _chat_stream(app: FastAPI, body: ChatCompletionRequest, job, thinking:
         return
     finish = job.finish
     yield out.sse(stream.chunk({}, out.finish_reason(finish, bool(reply.calls)), pending))
-    if body.stream_options and body.stream_options.include_usage:
-        yield out.sse(stream.usage_chunk(finish))
-    yield out.SSE_DONE
+    if last:
+        if body.stream_options and body.stream_options.include_usage:
+            yield out.sse(stream.usage_chunk(finish))
+        yield out.SSE_DONE
 
 
-async def _completion_stream(app: FastAPI, body: CompletionRequest, job):
-    cid, created, model_id = out.new_id("cmpl-"), int(time.time()), app.state.config.model_id
-    offset, token_text = 0, app.state.token_text
+async def _completion_stream(app: FastAPI, body: CompletionRequest, job, cid: str,
+                             created: int, index: int = 0, last: bool = True):
+    """One choice's chunks; with `last`, then the usage chunk (when asked) and [DONE]."""
+    model_id, offset, token_text = app.state.config.model_id, 0, app.state.token_text
     try:
         async for event in job.events():
             tokens = [event] if isinstance(event, Token) else []
             reason = None if tokens else out.finish_reason(event)
             yield out.sse(out.completion_chunk(cid, created, model_id, event.text,
                                                token_text.completion_logprobs(tokens, offset),
-                                               reason))
+                                               reason, index))
             offset += len(event.text)
     except Exception as e:
         log.warning("streamed request failed: %s", e)
         yield out.sse(out.error_body(f"internal error: {type(e).__name__}: {e}",
                                      kind="server_error"))
         return
-    if body.stream_options and body.stream_options.include_usage:
-        chunk = out.completion_chunk(cid, created, model_id, "", None, None)
-        chunk["choices"], chunk["usage"] = [], out.usage(job.finish)
-        yield out.sse(chunk)
-    yield out.SSE_DONE
+    if last:
+        if body.stream_options and body.stream_options.include_usage:
+            yield out.sse(out.completion_usage_chunk(cid, created, model_id,
+                                                     out.usage(job.finish)))
+        yield out.SSE_DONE

@@ -145,6 +145,8 @@ def applies(x, weight, pre=None, rope=None, positions=None) -> bool:
     if rope is None:
         return True
     rope_dim = rope.rope_dim
+    if isinstance(positions, tuple):  # a first position per row: the kernel takes one for all
+        return False
     length_ok = not isinstance(positions, mx.array) or positions.shape == (x.shape[1],)
     return (x.ndim == 3 and pre is None and rope_dim % 2 == 0 and 0 < rope_dim <= width
             and (width - rope_dim) % 2 == 0 and length_ok)
@@ -228,7 +230,8 @@ def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
         products: x holds fp32 projection products whose bf16 rounding is the activation
             (`RMSNorm.of_products`).
         rope: a `RoPE` rotating the last rope_dim channels of the normed [B, S, D] rows at
-            `positions` (as `RoPE.__call__` takes them: an int first position or an [S] array).
+            `positions` (as `RoPE.__call__` takes them: an int first position, an [S] array,
+            or a tuple of each row's first position, which only the ops take).
         outputs: names from OUTPUTS: "y" the bf16 result, "y32" its fp32 copy, "fp8" its
             act_fp8 quantise-dequantise in `fp8_dtype`.
         use_kernel: use the Metal kernel when it applies.

@@ -75,8 +75,9 @@ ROPE_PRODUCTS = KernelSpec("v41_rope_products", "rope_products", ("products", "c
 
 def applies(products: mx.array, rope: RoPE, positions) -> bool:
     """Shapes the fused kernels take: [B, S, H, D] floats, D and the rotated tail even, array
-    positions one per row."""
-    return (products.ndim == 4 and products.size > 0 and products.dtype in _FLOAT_DTYPES
+    positions one per row (not a tuple of first positions per batch row: the ops take those)."""
+    return (not isinstance(positions, tuple) and products.ndim == 4 and products.size > 0
+            and products.dtype in _FLOAT_DTYPES
             and products.shape[-1] % 2 == 0 and rope.rope_dim % 2 == 0
             and 0 < rope.rope_dim <= products.shape[-1]
             and (not isinstance(positions, mx.array) or positions.shape == products.shape[1:2]))
@@ -89,7 +90,8 @@ def rope_products(products: mx.array, rope: RoPE, positions, use_kernel: Optiona
     Args:
         products: [B, S, H, D] fp32 products of `q_b_proj.matmul` (any float dtype).
         rope: the layer's RoPE (rotates the last `rope.rope_dim` channels of each head).
-        positions: [S] absolute positions of axis 1, or the int position of its first row.
+        positions: [S] absolute positions of axis 1, or the int position of its first row, or
+            a tuple of the first position of each row of axis 0 (the ops).
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`ROPE_PRODUCTS.build(factory)`) to use where it applies,
             e.g. the Metal simulator's in tests.

@@ -85,10 +85,39 @@ def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window
     """Reference (pure MLX, gather then attend); arguments as in `sparse_attention`. Query
     rows go in blocks of about GATHER_BLOCK_ELEMENTS gathered key values, so a long prefill
     chunk never gathers all its keys at once (each row is computed independently)."""
+    selected = rows.shape[-1] if packed_kv.shape[1] else 0
+
+    def gathered(i, step):
+        return _gather_packed(packed_kv, rows[:, i:i + step]) if selected else None
+
+    return _attend_blocks(q, window, gathered, selected, sinks, scale, window_size)
+
+
+def gather_selected(packed_kv: mx.array, rows: mx.array):
+    """(packed rows [B, S, K, P], is each filled [B, S, K]) of the selection `rows` [B, S, K]
+    of `packed_kv` [B, T, P] (T > 0), as `sparse_attention_ops` gathers them: what
+    `gathered_attention_ops` reads, so that sequences with caches of their own attend at once."""
+    return _gather_packed(packed_kv, rows)
+
+
+def gathered_attention_ops(q, window, selected, sinks, scale: float, window_size: int):
+    """`sparse_attention_ops` with each sequence's selected rows already gathered
+    (`gather_selected`, then stacked): `selected` (packed [B, S, K, P], filled [B, S, K]) or
+    None for no selected rows. Row for row the bits of `sparse_attention_ops` (ops only)."""
+    width = 0 if selected is None else selected[0].shape[2]
+
+    def gathered(i, step):
+        return None if selected is None else (selected[0][:, i:i + step],
+                                              selected[1][:, i:i + step])
+
+    return _attend_blocks(q, window, gathered, width, sinks, scale, window_size)
+
+
+def _attend_blocks(q, window, gathered, selected: int, sinks, scale, window_size: int):
+    """Attention of q over the window and the `selected` rows that `gathered(i, step)` gives
+    for query rows [i, i + step), block by block."""
     batch, length, _, dim = q.shape
     slots, filled = _window_slots(length, window.shape[1] - length, window_size)
-    total = packed_kv.shape[1]
-    selected = rows.shape[-1] if total else 0
     step = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch * (window_size + selected) * dim))
     outs = []
     for i in range(0, max(length, 1), step):
@@ -97,7 +126,7 @@ def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window
         keys = mx.take(window, block, axis=1)                             # [B, s, W, d]
         valid = mx.broadcast_to(filled[None, i:i + step], (batch,) + block.shape)
         if selected:
-            packed, present = _gather_packed(packed_kv, rows[:, i:i + step])
+            packed, present = gathered(i, step)
             keys = mx.concatenate([keys, unpack_fp4_e4m3(packed, keys.dtype)], axis=2)
             valid = mx.concatenate([valid, present], axis=2)
         outs.append(attend(q[:, i:i + step], keys, valid, sinks, scale))

@@ -74,3 +74,10 @@ class KernelSpec:
 @functools.cache
 def _metal(spec: KernelSpec) -> Callable:
     return spec.build_checked()
+
+
+def runs_ops(*specs: KernelSpec) -> bool:
+    """Whether each of these dispatchers runs its ops in the active context (no kernel given
+    nor Metal). A caller that runs their ops over rows stacked from several calls keeps each
+    call's bits only then: the kernels hold their ops' values to a tolerance, not bit for bit."""
+    return all(spec.choose() is None for spec in specs)

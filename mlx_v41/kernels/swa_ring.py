@@ -56,6 +56,21 @@ def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset: int) -> mx.array
     return mx.put_along_axis(ring, index, values, axis=1)
 
 
+def stacked_ring_update_ops(ring: mx.array, rows: mx.array, positions: tuple) -> mx.array:
+    """`swa_ring_update_ops` of G sequences' packed rings at once, ops only: ring
+    [G, R, D + D/32] stacked from theirs, rows [G, S, D] (S <= R), row g's of positions
+    positions[g].. -> the new stacked ring, row g the bytes of its own update."""
+    length, capacity = rows.shape[1], ring.shape[1]
+    if length > capacity or not is_packed_ring(ring, rows.shape[-1]):
+        raise ValueError(f"stacked_ring_update_ops: {length} rows for a ring of {capacity} "
+                         f"slots, or a ring of {ring.dtype} (it writes up to R packed rows)")
+    first = np.asarray(positions, np.int64)[:, None]
+    slots = mx.array(((first + np.arange(length)) % capacity).astype(np.int32))
+    values = pack_fp8_e8m0(rows)
+    return mx.put_along_axis(ring, mx.broadcast_to(slots[..., None], values.shape), values,
+                             axis=1)
+
+
 def _launch(kernel, ring: mx.array, rows: mx.array, offset: int) -> mx.array:
     threads = ring.shape[0] * ring.shape[1] * rows.shape[-1]
     packed = is_packed_ring(ring, rows.shape[-1])

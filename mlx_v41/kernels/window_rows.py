@@ -28,6 +28,17 @@ def recent_rows(ring: mx.array, position: int, count: int) -> mx.array:
     return unpack_fp8_e8m0(mx.take(ring, slots, axis=1))
 
 
+def stacked_window_rows_ops(ring: mx.array, rows: mx.array, positions: tuple,
+                            count: int) -> mx.array:
+    """`window_rows_ops` (no skip) of G sequences at once, ops only: ring [G, R, D + D/32]
+    stacked from their rings, rows [G, S, D] bf16, row g's of positions positions[g].. ->
+    [G, count + S, D], row g the bits of its own call (decoding is exact)."""
+    first = np.asarray(positions, np.int64)[:, None] - count
+    slots = mx.array(((first + np.arange(count)) % ring.shape[1]).astype(np.int32))
+    held = mx.take_along_axis(ring, slots[..., None], axis=1)
+    return mx.concatenate([unpack_fp8_e8m0(held), rows], axis=1)
+
+
 def window_rows_ops(ring: mx.array, rows: mx.array, position: int, count: int,
                     skip: int) -> mx.array:
     """Reference: the ring's `count` rows before `position`, then `rows`, from row `skip` on

@@ -10,6 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..cache.layer import LayerCache
 from .compressor import Compressor
@@ -20,9 +21,15 @@ from .selection import Pool, select_rows
 from .schedule import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
-from ..kernels.norm import norm
-from ..kernels.rope_products import rope_products
-from ..kernels.sparse_attention import packed_row_bytes, sparse_attention
+from ..kernels.act_fp8 import ACT_FP8
+from ..kernels.norm import NORM, norm
+from ..kernels.rope_products import ROPE_PRODUCTS, rope_products
+from ..kernels.sparse_attention import (SPARSE_ATTENTION, gather_selected,
+                                        gathered_attention_ops, packed_row_bytes,
+                                        sparse_attention)
+from ..kernels.spec import runs_ops
+from ..kernels.swa_ring import SWA_RING_UPDATE, stacked_ring_update_ops
+from ..kernels.window_rows import WINDOW_ROWS, stacked_window_rows_ops
 from ..numerics.rope import shared_rope
 
 # Query rows x index heads x key rows scored at once: 16 MiB of fp32 per intermediate. A
@@ -105,10 +112,7 @@ class Attention(nn.Module):
                           outputs=("y", "fp8"))
         q = self.q_b_proj.matmul(qr_fp8).reshape(batch, n_out, self.heads, self.head_dim)
         if isinstance(ctx, BatchState):  # each sequence's rows against its own cache
-            out = mx.concatenate([
-                self._attend(x[b:b + 1], kv_products[b:b + 1], q[b:b + 1], qr[b:b + 1],
-                             qr_fp8[b:b + 1], state, layer_cache, n_out)
-                for b, (state, layer_cache) in enumerate(zip(ctx.states, cache))], axis=0)
+            out = self._attend_batch(x, kv_products, q, qr, qr_fp8, ctx, cache, n_out)
         else:
             out = self._attend(x, kv_products, q, qr, qr_fp8, ctx, cache, n_out)
         groups = self.o_a_proj.weight.shape[0]
@@ -139,6 +143,76 @@ class Attention(nn.Module):
         # fp32 between the kernels, each value still a bf16 one: every rounding the reference
         # makes happens inside the fused kernel that reads it, not as a cast of its own.
         return self.rope(out, pos, inverse=True, dtype=mx.float32)
+
+    def _attend_batch(self, x, kv_products, q, qr, qr_fp8, ctx: BatchState, caches: list,
+                      n_out: int) -> mx.array:
+        """`_attend` of each sequence of a batch: those whose window rows all come from a
+        full ring at once (`_attend_stacked`), the others one by one."""
+        stacked = self._stackable(ctx, caches, x.shape[1], n_out)
+        parts = []
+        if stacked:
+            parts.append(self._attend_stacked(
+                *(_rows(a, stacked) for a in (x, kv_products, q, qr, qr_fp8)),
+                [ctx.states[b] for b in stacked], [caches[b] for b in stacked]))
+        alone = [b for b in range(len(caches)) if b not in set(stacked)]
+        parts += [self._attend(x[b:b + 1], kv_products[b:b + 1], q[b:b + 1], qr[b:b + 1],
+                               qr_fp8[b:b + 1], ctx.states[b], caches[b], n_out)
+                  for b in alone]
+        return _in_order(parts, stacked + alone)
+
+    def _stackable(self, ctx: BatchState, caches: list, n_in: int, n_out: int) -> list:
+        """The sequences `_attend_stacked` takes: every row a query, a ring holding the
+        window - 1 rows before the call and room for the call's rows, and every dispatcher on
+        the way running its ops (the stacked path runs ops, which are the kernels' values only
+        to a tolerance: on a GPU with kernels each sequence goes alone)."""
+        if n_out != n_in or not runs_ops(*STACKED_OPS):
+            return []
+        return [b for b, (state, cache) in enumerate(zip(ctx.states, caches))
+                if state.start >= self.window - 1 and cache.window.rows is not None
+                and n_in <= cache.window.capacity]
+
+    def _attend_stacked(self, x, kv_products, q, qr, qr_fp8, states: list,
+                        caches: list) -> mx.array:
+        """`_attend` of G sequences [G, n, ...] whose windows are full, on the ops: the norms,
+        RoPE, window reads and ring writes and the attention run over all G rows at once
+        (each row its own positions and ring), the compressor and the selection per sequence
+        (each against its own compressed rows) -> [G, n, heads, head_dim] fp32."""
+        starts = tuple(state.start for state in states)
+        kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,
+                   rope=self.rope, positions=starts, outputs=("fp8",), fp8_dtype=mx.bfloat16)
+        rings = [cache.window for cache in caches]
+        stacked = mx.concatenate([ring.rows for ring in rings], axis=0)
+        window = stacked_window_rows_ops(stacked, kv, starts, self.window - 1)
+        _wrote_rows(rings, stacked_ring_update_ops(stacked, kv, starts), starts, kv.shape[1])
+        each = _Split(x, qr, qr_fp8)
+        if self.role.mode == FULL:
+            for g, state in enumerate(states):
+                self.compress(each.x(g), state)
+        q = rope_products(q, self.rope, starts)
+        selected = [self._selected(each, g, state) for g, state in enumerate(states)]
+        out = self._grouped_attention(q, window, selected)
+        return self.rope(out, starts, inverse=True, dtype=mx.float32)
+
+    def _selected(self, each: "_Split", g: int, state: ForwardState):
+        """Sequence g's selected packed rows as `gather_selected` gives them, or None."""
+        packed, rows = self._packed_rows(each.x(g), each.qr(g), each.qr_fp8(g), state)
+        if packed.shape[1] == 0 or rows.shape[-1] == 0:
+            return None
+        return gather_selected(packed, rows)
+
+    def _grouped_attention(self, q, window, selected: list) -> mx.array:
+        """Sparse attention of the stacked rows, in groups of sequences that select as many
+        rows (a row's sums must run over the same key count as alone: no padding)."""
+        groups: dict = {}
+        for g, picked in enumerate(selected):
+            groups.setdefault(0 if picked is None else picked[0].shape[2], []).append(g)
+        outs = []
+        for members in groups.values():
+            picked = None if selected[members[0]] is None else tuple(
+                _stack([selected[g][i] for g in members]) for i in range(2))
+            outs.append(gathered_attention_ops(_rows(q, members), _rows(window, members), picked,
+                                               self.sinks, self.head_dim ** -0.5, self.window))
+        return _in_order(outs, [g for members in groups.values() for g in members])
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
         """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows
@@ -221,3 +295,58 @@ class Attention(nn.Module):
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
         store.append(self.rope(latents, group_pos), index_rows)
 
+
+
+# The dispatchers `_attend_stacked` runs as ops over stacked rows (`runs_ops`).
+STACKED_OPS = (NORM, ACT_FP8, WINDOW_ROWS, SWA_RING_UPDATE, ROPE_PRODUCTS, SPARSE_ATTENTION)
+
+
+def _rows(a: mx.array, members: list) -> mx.array:
+    """Rows `members` of axis 0 (all of them in order: `a` itself)."""
+    if members == list(range(a.shape[0])):
+        return a
+    return mx.take(a, mx.array(members), axis=0)
+
+
+def _stack(parts: list) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _in_order(parts: list, order: list) -> mx.array:
+    """The rows of `parts` (stacked along axis 0) hold sequences `order`: back in order."""
+    return _rows(_stack(parts), [int(i) for i in np.argsort(order)])
+
+
+class _Split:
+    """Per-sequence rows [1, ...] of stacked inputs, split once on first use."""
+
+    def __init__(self, *arrays):
+        self._arrays, self._parts = arrays, {}
+
+    def _part(self, i: int, g: int) -> mx.array:
+        if i not in self._parts:
+            a = self._arrays[i]
+            self._parts[i] = mx.split(a, a.shape[0]) if a.shape[0] > 1 else [a]
+        return self._parts[i][g]
+
+    def x(self, g):
+        return self._part(0, g)
+
+    def qr(self, g):
+        return self._part(1, g)
+
+    def qr_fp8(self, g):
+        return self._part(2, g)
+
+
+def _wrote_rows(rings: list, stacked: mx.array, starts: tuple, length: int) -> None:
+    """Hand each ring its row of the stacked ring after writing `length` rows at its start
+    (the bookkeeping of `WindowRing.write`, whose rows went through the stacked update)."""
+    rows = mx.split(stacked, len(rings)) if len(rings) > 1 else [stacked]
+    for ring, row, start in zip(rings, rows, starts):
+        end = start + length
+        ring.rows = row
+        if start > ring.end:
+            ring.valid_from = start
+        ring.valid_from = max(ring.valid_from, end - ring.capacity)
+        ring.end = end

@@ -3,6 +3,7 @@
 Interleaved pairs (GPT-J style, MLX `traditional=True`) rotated in fp32
 (official inference/model.py L368–406, L680–698).
 Angles are computed from the positions of each call, so no table grows with the context length.
+A batch of sequences at their own positions gives each row of axis 0 its first position.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def rope_frequencies(rope_dim: int, base: float, scaling: Optional[dict]) -> np.
 
 
 TABLES_KEPT = 16  # rotation tables kept per RoPE: the layers of one call share them
+ROW_TABLES_KEPT = 4  # per-row tables kept per RoPE (a batch's forward and inverse, kept apart
+# so that the per-sequence tables of the same call do not push them out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,6 +61,7 @@ class RoPE:
         self.rope_dim = rope_dim
         self.freqs = mx.array(rope_frequencies(rope_dim, base, scaling))
         self._tables: dict = {}
+        self._row_tables: dict = {}
 
     def angles(self, positions):
         """(cos, sin) [S, rope_dim / 2] of an array of positions."""
@@ -93,6 +97,22 @@ class RoPE:
                                                 inverse)
         return self._tables[key]
 
+    def row_tables(self, starts: tuple, length: int, width: int, inverse: bool):
+        """(C, S') [B, length, width / 2, 2] for B rows of contiguous positions, row b from
+        starts[b] on: the rows of `tables` of each start, as one table (kept, as every layer
+        of a call asks again). An angle's bits do not depend on its neighbours, so row b
+        equals `tables((starts[b], length), ...)`."""
+        key = (starts, length, width, inverse)
+        if key not in self._row_tables:
+            if len(self._row_tables) >= ROW_TABLES_KEPT:
+                self._row_tables.pop(next(iter(self._row_tables)))
+            positions = np.asarray(starts, np.int64)[:, None] + np.arange(length)
+            cos2, sin2 = self._tables_of(mx.array(positions.reshape(-1).astype(np.int32)),
+                                         width, inverse)
+            shape = (len(starts), length, width // 2, 2)
+            self._row_tables[key] = cos2.reshape(shape), sin2.reshape(shape)
+        return self._row_tables[key]
+
     def _tables_of(self, positions: mx.array, width: int, inverse: bool):
         cos, sin = self.angles(positions)
         if inverse:
@@ -107,14 +127,22 @@ class RoPE:
 
     def __call__(self, x: mx.array, positions, inverse: bool = False, dtype=None) -> mx.array:
         """`positions`: [S] absolute positions of axis 1 of `x`, or the int position of its
-        first row (contiguous rows; their tables are shared by every layer). Output in x's
-        dtype; `dtype` casts it inside the rotation's fused kernel (fp32 for an fp32 reader)."""
-        if not isinstance(positions, mx.array):
-            positions = (int(positions), x.shape[1])
+        first row (contiguous rows; their tables are shared by every layer), or a tuple of B
+        ints: the first position of each row of axis 0 (sequences of a batch, each at its own
+        position). Output in x's dtype; `dtype` casts it inside the rotation's fused kernel
+        (fp32 for an fp32 reader)."""
         width = x.shape[-1]
-        cos2, sin2 = self.tables(positions, width, inverse)
         extra = x.ndim - 3  # head axes between the sequence and feature axes
-        shape = (1, cos2.shape[0]) + (1,) * extra + (width // 2, 2)
+        if isinstance(positions, tuple):
+            if len(positions) != x.shape[0]:
+                raise ValueError(f"RoPE: {len(positions)} row positions for {x.shape[0]} rows")
+            cos2, sin2 = self.row_tables(positions, x.shape[1], width, inverse)
+            shape = cos2.shape[:2] + (1,) * extra + (width // 2, 2)
+        else:
+            if not isinstance(positions, mx.array):
+                positions = (int(positions), x.shape[1])
+            cos2, sin2 = self.tables(positions, width, inverse)
+            shape = (1, cos2.shape[0]) + (1,) * extra + (width // 2, 2)
         return _compiled_rotate(dtype or x.dtype)(x, cos2.reshape(shape), sin2.reshape(shape),
                                                   _rotated_pairs(width, self.rope_dim))
 

@@ -151,6 +151,7 @@ def test_generate_command_with_the_demo_model(demo, capsys):
     ("generate.py", "generated at"),
     ("chat_loop.py", "new prompt tokens, cache at"),
     ("inspect_cache.py", "global-KV bytes per token"),
+    ("batch_generate.py", "joins 2 running"),
 ])
 def test_examples(demo, script, expected, monkeypatch, capsys):
     folder, _ = demo

@@ -17,7 +17,9 @@ from .compressor import Compressor
 from .config import TextConfig
 from .shared import BatchState, ForwardState
 from .indexer import Indexer
+from . import indexer as indexer_mod
 from .selection import Pool, select_rows
+from .stacked_selection import select_stacked
 from .schedule import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
@@ -153,7 +155,7 @@ class Attention(nn.Module):
         if stacked:
             parts.append(self._attend_stacked(
                 *(_rows(a, stacked) for a in (x, kv_products, q, qr, qr_fp8)),
-                [ctx.states[b] for b in stacked], [caches[b] for b in stacked]))
+                [ctx.states[b] for b in stacked], [caches[b] for b in stacked], ctx))
         alone = [b for b in range(len(caches)) if b not in set(stacked)]
         parts += [self._attend(x[b:b + 1], kv_products[b:b + 1], q[b:b + 1], qr[b:b + 1],
                                qr_fp8[b:b + 1], ctx.states[b], caches[b], n_out)
@@ -171,8 +173,8 @@ class Attention(nn.Module):
                 if state.start >= self.window - 1 and cache.window.rows is not None
                 and n_in <= cache.window.capacity]
 
-    def _attend_stacked(self, x, kv_products, q, qr, qr_fp8, states: list,
-                        caches: list) -> mx.array:
+    def _attend_stacked(self, x, kv_products, q, qr, qr_fp8, states: list, caches: list,
+                        ctx: BatchState) -> mx.array:
         """`_attend` of G sequences [G, n, ...] whose windows are full, on the ops: the norms,
         RoPE, window reads and ring writes and the attention run over all G rows at once
         (each row its own positions and ring), the compressor and the selection per sequence
@@ -189,30 +191,66 @@ class Attention(nn.Module):
             for g, state in enumerate(states):
                 self.compress(each.x(g), state)
         q = rope_products(q, self.rope, starts)
-        selected = [self._selected(each, g, state) for g, state in enumerate(states)]
-        out = self._grouped_attention(q, window, selected)
+        outs, order = [], []
+        for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
+            outs.append(gathered_attention_ops(_rows(q, members), _rows(window, members),
+                                               picked, self.sinks, self.head_dim ** -0.5,
+                                               self.window))
+            order += members
+        out = _in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)
 
-    def _selected(self, each: "_Split", g: int, state: ForwardState):
-        """Sequence g's selected packed rows as `gather_selected` gives them, or None."""
-        packed, rows = self._packed_rows(each.x(g), each.qr(g), each.qr_fp8(g), state)
-        if packed.shape[1] == 0 or rows.shape[-1] == 0:
-            return None
-        return gather_selected(packed, rows)
+    def _selected_groups(self, x, qr, qr_fp8, each: "_Split", states: list,
+                         ctx: BatchState) -> list:
+        """[(sequences, their stacked selected rows as `gathered_attention_ops` reads them, or
+        None)]: the sequences grouped by how many rows they select (a row's sums must run over
+        as many keys as alone: no padding). Layers that read the same owner's rows with the
+        same selection share them within the call."""
+        role = self.role
+        if role.ratio == 0:
+            return [(list(range(len(states))), None)]
+        source = role.layer if role.has_indexer else role.topk_owner
+        key = (role.kv_owner, source, tuple(map(id, states)))
+        if key not in ctx.selected:
+            rows = self._stacked_rows(x, qr, qr_fp8, each, states)
+            groups: dict = {}
+            for g, (state, picks) in enumerate(zip(states, rows)):
+                store = state.shared[role.kv_owner].store
+                width = picks.shape[-1] if store.count else 0
+                groups.setdefault(width, []).append(
+                    (g, gather_selected(store.packed_rows(), picks) if width else None))
+            ctx.selected[key] = [([g for g, _ in group], None if width == 0 else tuple(
+                _stack([picked[i] for _, picked in group]) for i in range(2)))
+                for width, group in groups.items()]
+        return ctx.selected[key]
 
-    def _grouped_attention(self, q, window, selected: list) -> mx.array:
-        """Sparse attention of the stacked rows, in groups of sequences that select as many
-        rows (a row's sums must run over the same key count as alone: no padding)."""
-        groups: dict = {}
-        for g, picked in enumerate(selected):
-            groups.setdefault(0 if picked is None else picked[0].shape[2], []).append(g)
-        outs = []
-        for members in groups.values():
-            picked = None if selected[members[0]] is None else tuple(
-                _stack([selected[g][i] for g in members]) for i in range(2))
-            outs.append(gathered_attention_ops(_rows(q, members), _rows(window, members), picked,
-                                               self.sinks, self.head_dim ** -0.5, self.window))
-        return _in_order(outs, [g for members in groups.values() for g in members])
+    def _stacked_rows(self, x, qr, qr_fp8, each: "_Split", states: list) -> list:
+        """Each sequence's selection [1, n, k] for the stacked rows: an index layer's own
+        (`select_stacked` where every sequence has rows to select from, else one by one),
+        or the index layer's it reuses."""
+        role, n = self.role, x.shape[1]
+        shared = [state.shared[role.kv_owner] for state in states]
+        if not role.has_indexer:
+            return [s.selections[role.topk_owner][:, -n:] for s in shared]
+        pool = None
+        if role.is_candidate_source:
+            pool = Pool(self.pool_block, keep=self.pool_blocks)
+        elif role.uses_candidates and shared[0].pool is not None:
+            pool = Pool(self.pool_block, member=[s.pool[:, -n:] for s in shared])
+        counts = [s.store.count for s in shared]
+        if (min(counts) == 0 or max(counts) > indexer_mod.KEY_BLOCK
+                or states[0].compat_index_k_source is not None):
+            return [self._global_rows(each.x(g), each.qr(g), each.qr_fp8(g), state)
+                    for g, state in enumerate(states)]
+        picked = select_stacked(self.indexer, self.rope, x, qr, qr_fp8,
+                                [s.store.packed_index_keys() for s in shared],
+                                tuple(state.end - n for state in states), role.ratio,
+                                self.topk, pool)
+        for s, p in zip(shared, picked):
+            if p.member is not None:
+                s.pool = p.member
+            s.selections[role.layer] = p.rows
+        return [p.rows for p in picked]
 
     def _window(self, kv, cache: LayerCache, ctx: ForwardState, n_out: int) -> mx.array:
         """Window rows for the last n_out queries: [B, P + n_out, d], query s attending rows

@@ -138,6 +138,9 @@ class BatchState:
     taps: Taps = field(default_factory=Taps)
     probe: Optional[Probe] = None                # always None: no instrumentation in a batch
     capturing: bool = False
+    # (kv owner, selecting layer, sequences) -> [(sequences, their stacked selected packed
+    # rows)]: gathered once per call for every layer that reads them (model/attention.py)
+    selected: dict = field(default_factory=dict)
 
     def image_positions(self, rows: int) -> Optional[mx.array]:
         return None  # a batched forward carries no image rows (prompts prefill alone)

@@ -1,0 +1,79 @@
+"""Top-k selection of several sequences at once, each against its own compressed rows
+(a batched decode step: `model/batch.py`).
+
+The sequences' packed index keys are padded to the longest and stacked; the index queries,
+scores, visibility, candidate pool and top-k run over all of them together. A padded row lies
+past every query's visible rows (a sequence holds exactly the rows its positions completed), so
+it scores -inf and sorts after every real row (ties go to the lower row): each sequence's
+first min(k, T) picks are its own `select_rows` result, and the stacked scores of its rows are
+its own (each score is one dot product over the index dim; tests/test_batch.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .indexer import NEG_INF, sort_key
+from .selection import Pool, Selection, _membership, _merge, finish
+from ..numerics.quant import unpack_fp4_e8m0
+
+
+def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: list, starts: tuple, ratio: int,
+                   topk: int, pool: Optional[Pool] = None) -> list:
+    """`select_rows` of G sequences: query rows x [G, n, D] (low-rank queries qr, their
+    act_fp8 qr_fp8) from positions starts[g] on, against packed_keys[g] [1, T_g, bytes]
+    (T_g > 0). `pool.member`, where given, is the list of each sequence's [1, n, blocks_g].
+    Returns each sequence's `Selection` (rows [1, n, min(topk, T_g)], the candidate source's
+    member [1, n, ceil(T_g / block)])."""
+    counts = [keys.shape[1] for keys in packed_keys]
+    total, length = max(counts), x.shape[1]
+    keys = unpack_fp4_e8m0(mx.concatenate([_padded(k, total) for k in packed_keys], axis=0))
+    q, weights = indexer.queries(x, qr, starts, rope, qr_fp8)
+    positions = mx.array((np.asarray(starts, np.int64)[:, None]
+                          + np.arange(length)).astype(np.int32))              # [G, n]
+    complete = (positions + 1) // ratio
+    scores = indexer.block_scores(q, weights, keys)
+    scores = mx.where(mx.arange(total) < complete[..., None], scores, NEG_INF)
+    member = None
+    if pool is not None and pool.member is None:
+        member = _pool_members(scores, complete, pool)
+    elif pool is not None:
+        blocks = -(-total // pool.block)
+        given = mx.concatenate([_padded(m, blocks, axis=2) for m in pool.member], axis=0)
+        scores = mx.where(mx.repeat(given, pool.block, axis=-1)[..., :total], scores, NEG_INF)
+    rows = finish(_merge(None, sort_key(scores, 0), topk), total)
+    rows = mx.split(rows, len(counts)) if len(counts) > 1 else [rows]
+    members = [None] * len(counts)
+    if member is not None:
+        members = mx.split(member, len(counts)) if len(counts) > 1 else [member]
+        members = [m[..., :-(-count // pool.block)] for m, count in zip(members, counts)]
+    return [Selection(r[..., :min(topk, count)], m)
+            for r, m, count in zip(rows, members, counts)]
+
+
+def _pool_members(scores, complete, pool: Pool) -> mx.array:
+    """The candidate source's pool [G, n, blocks]: the `keep` blocks of the best visible
+    score, the block holding the newest visible row pinned first (`_QueryBlock._pool_keys`)."""
+    batch, length, total = scores.shape
+    blocks = -(-total // pool.block)
+    pad = blocks * pool.block - total
+    if pad:
+        scores = mx.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
+    block_max = mx.max(scores.reshape(batch, length, blocks, pool.block), axis=-1)
+    newest = mx.where(complete > 0, (complete - 1) // pool.block, -1)
+    pin = mx.arange(blocks) == newest[..., None]
+    best = _merge(None, sort_key(mx.where(pin, float("inf"), block_max), 0), pool.keep)
+    return _membership(finish(best, blocks), blocks)
+
+
+def _padded(a: mx.array, size: int, axis: int = 1) -> mx.array:
+    """`a` with zeros (False) appended along `axis` up to `size`."""
+    extra = size - a.shape[axis]
+    if extra == 0:
+        return a
+    shape = list(a.shape)
+    shape[axis] = extra
+    return mx.concatenate([a, mx.zeros(shape, a.dtype)], axis=axis)

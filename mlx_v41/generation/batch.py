@@ -13,6 +13,11 @@ once per step, `remove` a finished or cancelled sequence. A step
    tokens, and samples each sequence's next token with its own sampler, logits processors
    and random key.
 
+With `draft="dspark"` step 2 is a speculative cycle instead: every decoding sequence drafts its
+own block after its pending token, one `batch_forward` verifies all the blocks (k + 1 rows
+each), and each sequence accepts, emits and trims its own (`speculative.Speculation`, the
+batch-1 loop's acceptance), so it emits exactly its batch-1 DSpark tokens.
+
 Each sequence lives in its own cache list; joining or leaving never copies another's. A
 token is emitted once it has been fed to its cache (as `generate_step` does), so a finished
 sequence's cache holds its prompt and every emitted token.
@@ -24,17 +29,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..cache.layer import trim_cache
 from ..cache.persistence import copy_cache
 from ..kernels.context import using
 from ..model.batch import batch_forward
 from ..model.prefill import forward_steps
 from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
+from .speculative import (DraftStats, Speculation, check_draft_settings, model_drafter,
+                          verify_blocks)
 
 MAX_SEED = 2 ** 64 - 1
 
@@ -48,6 +56,8 @@ class BatchStats:
     generation_tokens: int = 0
     generation_time: float = 0.0
     peak_memory: float = 0.0  # GB, process-wide
+    drafts_proposed: int = 0  # with draft="dspark", over all sequences
+    drafts_accepted: int = 0
 
     @property
     def prompt_tps(self) -> float:
@@ -77,6 +87,8 @@ class Response:
     finish_reason: None while the sequence goes on; "stop" (a stop token), "length"
     (max_tokens or the context) or "error" (`error` says why; no token then, -1).
     prompt_cache: the sequence's cache when it finished (prompt and every emitted token).
+    from_draft: the token is a DSpark draft the target accepted; draft_stats: the sequence's
+    drafts proposed / accepted so far (with draft="dspark").
     """
 
     uid: int
@@ -85,6 +97,8 @@ class Response:
     finish_reason: Optional[str] = None
     prompt_cache: Optional[list] = None
     error: Optional[BaseException] = None
+    from_draft: bool = False
+    draft_stats: Optional[DraftStats] = None
 
 
 class RandomKey:
@@ -107,6 +121,11 @@ class RandomKey:
             self.seed = (high << 32) | low
 
 
+def _random(key: Optional[RandomKey]):
+    """The sequence's random stream as the global one (the global one when it has none)."""
+    return nullcontext() if key is None else key.active()
+
+
 @dataclass
 class BatchSequence:
     uid: int
@@ -125,6 +144,7 @@ class BatchSequence:
     finish_reason: Optional[str] = None
     prefilled: int = 0  # prompt tokens in the cache so far
     forks: list = field(default_factory=list)  # sequences that branch off once the prompt is in
+    spec: Optional[Speculation] = None  # with draft="dspark", once decoding
 
     def progress(self, done: int, total: int) -> None:
         self.prefilled = done
@@ -147,6 +167,9 @@ class BatchGenerator:
             when any prompt waits); default one chunk.
         on_prefilled: called as (uid, cache) when a prompt is in its cache, before its first
             token is fed (a server keeps the prompt's cache for reuse there).
+        draft: "dspark" decodes speculatively (the model loaded with dspark=True; every
+            sampler an `mlx_v41.Sampling`, greedy by default), with `num_draft_tokens` and
+            `draft_confidence` as in `stream_generate`.
     """
 
     def __init__(self, model, *, max_tokens: int = 128,
@@ -155,13 +178,22 @@ class BatchGenerator:
                  prefill_batch_size: int = 8,
                  prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
                  prefill_budget: Optional[int] = None,
-                 on_prefilled: Optional[Callable[[int, list], None]] = None):
+                 on_prefilled: Optional[Callable[[int, list], None]] = None,
+                 draft: Optional[str] = None, num_draft_tokens: int = 5,
+                 draft_confidence: Optional[float] = None):
         for name, value in (("completion_batch_size", completion_batch_size),
                             ("prefill_batch_size", prefill_batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         from mlx_lm.sample_utils import greedy_sampler
 
+        if draft not in (None, "dspark"):
+            raise ValueError(f"draft must be None or 'dspark', got {draft!r}")
+        if draft:
+            sampler = check_draft_settings(model, sampler, num_draft_tokens)
+        self.draft = draft
+        self.drafter = model_drafter(model) if draft else None
+        self.num_draft_tokens, self.draft_confidence = num_draft_tokens, draft_confidence
         self.model = model
         self.max_tokens = max_tokens
         self.stop_tokens = set(stop_tokens or ())
@@ -221,7 +253,7 @@ class BatchGenerator:
                 - len(prompt)
             key = None if seeds[i] is None else RandomKey(seeds[i])
             made.append(BatchSequence(
-                0, prompt, cache, min(max_tokens[i], room), samplers[i] or self.sampler,
+                0, prompt, cache, min(max_tokens[i], room), self._sampler(samplers[i]),
                 list(self.logits_processors if processors[i] is None else processors[i]),
                 key, images[i], history=mx.array(
                     prompt if histories[i] is None else [int(t) for t in histories[i]],
@@ -253,7 +285,7 @@ class BatchGenerator:
         for sampler, procs, seed in zip(samplers, processors, seeds):
             key = None if seed is None else RandomKey(seed)
             child = BatchSequence(self._uid, parent.prompt, None, parent.max_tokens,
-                                  sampler or self.sampler,
+                                  self._sampler(sampler),
                                   list(parent.processors if procs is None else procs), key,
                                   history=parent.history)
             self._uid += 1
@@ -294,7 +326,7 @@ class BatchGenerator:
             yield stats
         finally:
             for name in ("prompt_tokens", "prompt_time", "generation_tokens",
-                         "generation_time"):
+                         "generation_time", "drafts_proposed", "drafts_accepted"):
                 setattr(stats, name, getattr(self.counters, name) - getattr(before, name))
             stats.peak_memory = mx.get_peak_memory() / 1e9
 
@@ -305,7 +337,7 @@ class BatchGenerator:
         with using(self.model.kernels):
             responses += self._admit()
             responses += self._prefill()
-            responses += self._decode()
+            responses += self._speculate() if self.draft else self._decode()
         return responses
 
     # ------------------------------------------------------------------ the steps
@@ -359,9 +391,22 @@ class BatchGenerator:
         for one in (seq, *forks):
             if one.max_tokens == 0:
                 one.finish_reason = "length"
+            elif self.draft:
+                with _random(one.key):
+                    one.spec = Speculation(logits[:, -1:, :], sampling=one.sampler,
+                                           max_tokens=one.max_tokens, stops=self.stop_tokens,
+                                           processors=one.processors,
+                                           history=one.history.tolist())
             else:
                 self._sample(one, logits[:, -1, :])
             self.decoding.append(one)
+
+    def _sampler(self, sampler):
+        """A sequence's sampler (the default when None); drafting needs a `Sampling`."""
+        sampler = sampler or self.sampler
+        if self.draft:
+            check_draft_settings(self.model, sampler, self.num_draft_tokens)
+        return sampler
 
     def _sample(self, seq, logits) -> None:
         """Sample the next token from `logits` [1, V] as `generate_step` does."""
@@ -410,6 +455,49 @@ class BatchGenerator:
         self.counters.generation_time += time.perf_counter() - tic
         return responses
 
+    def _speculate(self) -> list:
+        """One speculative cycle of every decoding sequence: each drafts after its pending
+        token, one verify forward runs all the blocks, each keeps what it accepts."""
+        batch = [s for s in self.decoding if s.spec is not None]
+        responses = [self._finish(s) for s in self.decoding if s.spec is None]
+        if not batch:
+            return responses
+        tic, seeds = time.perf_counter(), [s.key and s.key.seed for s in batch]
+        try:
+            for seq in batch:
+                with _random(seq.key):  # the cycle's key: one draw from its own stream
+                    seq.spec.draft(self.model, self.drafter, seq.cache, self.num_draft_tokens,
+                                   self.draft_confidence)
+            rows = verify_blocks(self.model, [s.spec for s in batch], [s.cache for s in batch])
+        except BaseException:  # no cache changed: nor does any random stream
+            for seq, seed in zip(batch, seeds):
+                if seq.key is not None:
+                    seq.key.seed = seed
+            raise
+        for seq, seq_rows in zip(batch, rows):
+            responses += self._settle(seq, seq_rows)
+        self.counters.generation_time += time.perf_counter() - tic
+        return responses
+
+    def _settle(self, seq, rows: mx.array) -> list:
+        """The sequence's accepted tokens of its verify `rows`, one `Response` each."""
+        spec, proposed = seq.spec, len(seq.spec.drafts)
+        try:
+            emitted = spec.settle(rows, seq.cache)
+        except Exception as e:  # a processor that raises: the anchor was fed, the drafts go
+            trim_cache(seq.cache, proposed)
+            return [Response(seq.uid, spec.anchor, spec.logprobs), *self._fail(seq, e)]
+        seq.generated += len(emitted)
+        self.counters.generation_tokens += len(emitted)
+        self.counters.drafts_proposed += proposed
+        self.counters.drafts_accepted += len(emitted) - 1
+        responses = [Response(seq.uid, token, logprobs, from_draft=from_draft,
+                              draft_stats=spec.stats) for token, logprobs, from_draft in emitted]
+        if spec.finish_reason is not None:
+            seq.finish_reason = spec.finish_reason
+            responses[-1] = self._finish(seq, responses[-1])
+        return responses
+
     def _finish(self, seq, response: Optional[Response] = None) -> Response:
         if seq in self.decoding:
             self.decoding.remove(seq)
@@ -444,7 +532,8 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]
             cache, generated ids (the stop token not included) and their log-probabilities.
         kwargs: `BatchGenerator` settings (`sampler`, `logits_processors`,
             `completion_batch_size`, `prefill_batch_size`, `prefill_step_size`,
-            `prefill_budget`); `seeds` (one per prompt, as `insert`'s) and `images` (per
+            `prefill_budget`, `draft`, `num_draft_tokens`, `draft_confidence`); `seeds`
+            (one per prompt, as `insert`'s) and `images` (per
             prompt: None or the images of its placeholders, as `stream_generate`'s).
     Returns:
         `BatchResponse`. Each sequence's text equals what `generate` gives it alone (greedy,

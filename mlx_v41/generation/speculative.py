@@ -15,7 +15,8 @@ from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from ..cache.layer import trim_cache
+from ..cache.layer import transaction, trim_cache
+from ..model.batch import batch_forward
 from .group import ONE_PROCESS, ProcessGroup
 
 MAX_DRAFT_TOKENS = 5  # the drafter's block holds the anchor and 5 proposals
@@ -103,42 +104,120 @@ def speculative_steps(model, logits: mx.array, cache: list, *, sampling: Samplin
     if logits.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence per cache: logits have batch "
                          f"{logits.shape[0]} (run each sequence with its own cache)")
-    if drafter is None:
-        _require_drafter(model)
-    if drafter is None and "dspark" in model:  # a process without it takes the group's drafts
-        drafter = model.dspark
-    stats = stats if stats is not None else DraftStats()
-    limit = model.cfg.max_position_embeddings
-    shape = _Shaper(logits_processors, history)
-    logprobs = _normalise(shape(logits[0, -1:], []))[0]
-    anchor = group.agree_on_ints([_draw(sampling, logprobs)], 1)[0]
-    done = 0
-    while done < max_tokens:
-        room = min(max_tokens - done, limit - cache[0].offset) - 1
-        draft_key, accept_key = _cycle_keys(sampling)
-        drafts, q = _draft(model, drafter, cache, anchor, sampling,
-                           min(num_draft_tokens, room), draft_confidence, draft_key) \
-            if drafter is not None else ([], None)
-        drafts = group.agree_on_ints(drafts, MAX_DRAFT_TOKENS)
-        rows = model(mx.array([[anchor] + drafts]), cache=cache)[0]     # [k + 1, V]
-        targets = _normalise(shape(rows, [anchor] + drafts))
-        outcome = _accept(sampling, targets, drafts, q, accept_key) if group.has_logits \
-            else ([], 0)
-        accepted, following = _agree_on_outcome(group, *outcome, drafts)
-        accepted = _cut_at_stop(anchor, accepted, stops)
-        trim_cache(cache, len(drafts) - len(accepted))
-        stats.proposed += len(drafts)
-        stats.accepted += len(accepted)
-        stats.cycles += 1
-        shape.extend([anchor] + accepted)
+    drafter = model_drafter(model, drafter)
+    spec = Speculation(logits, sampling=sampling, max_tokens=max_tokens, stops=stops,
+                       processors=logits_processors, history=history, stats=stats,
+                       group=group)
+    while not spec.finish_reason:
+        spec.draft(model, drafter, cache, num_draft_tokens, draft_confidence)
+        block = spec.block(group)
+        rows = model(mx.array([block]), cache=cache)[0]                   # [k + 1, V]
+        yield from spec.settle(rows, cache, group)
+
+
+def model_drafter(model, drafter=None):
+    """The drafter a cycle runs: `drafter`, else the model's (None in a process of a group
+    without it: that process takes the group's drafts); a model without one is refused."""
+    if drafter is not None:
+        return drafter
+    _require_drafter(model)
+    return model.dspark if "dspark" in model else None
+
+
+class Speculation:
+    """One sequence's speculative decoding between verify forwards: the anchor (sampled, not
+    yet fed) and its log-probabilities, the drafts of the open cycle, the logits shaper and
+    the stats. A cycle is `draft` -> `block` -> (the caller's verify forward over the block)
+    -> `settle`; the batch engine runs many sequences' cycles side by side, one verify
+    forward for all, so each sequence's tokens are its batch-1 tokens.
+
+    Construction draws the first anchor from the prompt's last `logits` [1, 1, V] (one draw
+    from the global random sequence, as plain sampling's first token)."""
+
+    def __init__(self, logits: mx.array, *, sampling: Sampling, max_tokens: int,
+                 stops: Sequence[int] = (), processors=None, history: Sequence[int] = (),
+                 stats: Optional[DraftStats] = None, group: ProcessGroup = ONE_PROCESS):
+        self.sampling, self.max_tokens, self.stops = sampling, max_tokens, set(stops)
+        self.stats = stats if stats is not None else DraftStats()
+        self.shape = _Shaper(processors, history)
+        self.logprobs = _normalise(self.shape(logits[0, -1:], []))[0]
+        self.anchor = group.agree_on_ints([_draw(sampling, self.logprobs)], 1)[0]
+        self.done = 0  # tokens emitted (all fed)
+        self.finish_reason = None if max_tokens > 0 else "length"
+        self.drafts, self._pass, self._q, self._keys = [], None, None, (None, None)
+
+    def draft(self, model, drafter, cache: list, num_draft_tokens: int,
+              confidence: Optional[float] = None) -> None:
+        """Open a cycle: take its random keys (one draw from the global sequence when
+        sampling) and build the draft pass, lazily (`block` reads it)."""
+        room = min(self.max_tokens - self.done,
+                   model.cfg.max_position_embeddings - cache[0].offset) - 1
         # k <= room keeps anchor + accepted within max_tokens and the context.
-        yield anchor, logprobs, False
-        for i, token in enumerate(accepted):
-            yield token, targets[i], True
-        done += 1 + len(accepted)
-        if ([anchor] + accepted)[-1] in stops:
-            return
-        logprobs, anchor = targets[len(accepted)], following
+        self._k, self._confidence = min(num_draft_tokens, room), confidence
+        self._keys = _cycle_keys(self.sampling)
+        self._pass = None
+        if drafter is not None and self._k > 0:
+            self._pass = _draft_pass(model, drafter, cache, self.anchor, self.sampling,
+                                     self._keys[0])
+
+    @property
+    def pending(self) -> list:
+        """The arrays the open cycle's draft pass computes (to evaluate many at once)."""
+        return [] if self._pass is None else list(self._pass)
+
+    def block(self, group: ProcessGroup = ONE_PROCESS) -> list:
+        """The ids the verify forward feeds: [anchor, d1 .. dk]."""
+        drafts, self._q = _read_drafts(self._pass, self.sampling, self._k, self._confidence)
+        self.drafts = group.agree_on_ints(drafts, MAX_DRAFT_TOKENS)
+        self._pass = None
+        return [self.anchor] + self.drafts
+
+    def settle(self, rows: mx.array, cache: list, group: ProcessGroup = ONE_PROCESS) -> list:
+        """Accept or reject the drafts against the verify rows [k + 1, V] (the block's
+        logits), trim the cache back to the kept tokens, and return them as (token, logprobs,
+        from_draft), the anchor first. Afterwards `anchor` is the next one, or
+        `finish_reason` says why the sequence ended ("stop", "length")."""
+        anchor, drafts = self.anchor, self.drafts
+        targets = _normalise(self.shape(rows, [anchor] + drafts))
+        outcome = _accept(self.sampling, targets, drafts, self._q, self._keys[1]) \
+            if group.has_logits else ([], 0)
+        accepted, following = _agree_on_outcome(group, *outcome, drafts)
+        accepted = _cut_at_stop(anchor, accepted, self.stops)
+        trim_cache(cache, len(drafts) - len(accepted))
+        self.stats.proposed += len(drafts)
+        self.stats.accepted += len(accepted)
+        self.stats.cycles += 1
+        self.shape.extend([anchor] + accepted)
+        emitted = [(anchor, self.logprobs, False)]
+        emitted += [(token, targets[i], True) for i, token in enumerate(accepted)]
+        self.done += len(emitted)
+        if emitted[-1][0] in self.stops:
+            self.finish_reason = "stop"
+        elif self.done >= self.max_tokens:
+            self.finish_reason = "length"
+        self.logprobs, self.anchor = targets[len(accepted)], following
+        self.drafts = []
+        return emitted
+
+
+def verify_blocks(model, specs: list, caches: list) -> list:
+    """The verify rows [k + 1, V] of many sequences' open cycles (`Speculation.draft` done,
+    `caches[b]` the cache of `specs[b]`): their draft passes evaluated together, then one
+    `batch_forward` over every block of the same length (one call for all, unless max_tokens
+    or the context shortens some blocks). On any exception no cache changes."""
+    mx.eval([array for spec in specs for array in spec.pending])
+    blocks = [spec.block() for spec in specs]
+    by_length: dict = {}
+    for b, block in enumerate(blocks):
+        by_length.setdefault(len(block), []).append(b)
+    rows = [None] * len(specs)
+    with transaction([layer for cache in caches for layer in cache]):
+        for members in by_length.values():
+            logits = batch_forward(model, mx.array([blocks[b] for b in members]),
+                                   [caches[b] for b in members]).logits
+            for i, b in enumerate(members):
+                rows[b] = logits[i]
+    return rows
 
 
 class _Shaper:
@@ -197,15 +276,19 @@ def _draw_with(sampling: Sampling, key: mx.array):
     return sample
 
 
-def _draft(model, drafter, cache: list, anchor: int, sampling: Sampling, k: int,
-           confidence: Optional[float], key: Optional[mx.array] = None) -> tuple:
-    """Up to `k` drafts after `anchor` and their proposal log-distributions [k, V]."""
-    if k <= 0:
-        return [], None
+def _draft_pass(model, drafter, cache: list, anchor: int, sampling: Sampling,
+                key: Optional[mx.array] = None) -> tuple:
+    """The drafter's (tokens, logits, confidence) after `anchor`, not yet evaluated."""
     sample = None if sampling.temp == 0 else _draw_with(sampling, key)
-    tokens, logits, conf = drafter.draft(model.model.embed_tokens, model.lm_head.weight,
-                                         mx.array([anchor]), cache[model.cfg.num_hidden_layers:],
-                                         sample=sample)
+    return drafter.draft(model.model.embed_tokens, model.lm_head.weight, mx.array([anchor]),
+                         cache[model.cfg.num_hidden_layers:], sample=sample)
+
+
+def _read_drafts(draft_pass, sampling: Sampling, k: int, confidence: Optional[float]) -> tuple:
+    """Up to `k` drafts of a draft pass and their proposal log-distributions [k, V]."""
+    if draft_pass is None:
+        return [], None
+    tokens, logits, conf = draft_pass
     if confidence is not None:
         survival = mx.sum(mx.cumprod(mx.sigmoid(conf[0])) >= confidence)
         mx.eval(tokens, survival)  # one wait on the draft pass, not one per result

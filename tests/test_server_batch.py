@@ -314,3 +314,32 @@ def test_n_choices_share_one_prefill(live):
     completion = client.completions.create(model=MODEL_ID, prompt=text, max_tokens=4, n=2)
     assert [c.index for c in completion.choices] == [0, 1]
     assert completion.choices[0].text == completion.choices[1].text  # greedy: the same
+
+
+def test_dspark_requests_batch_and_equal_batch_one():
+    """With --dspark the batching engine drafts for every request: two concurrent greedy
+    requests run in one batch and each gets its batch-1 DSpark reply."""
+    from mlx_v41.server.batch_engine import BatchEngine
+
+    model, tokenizer = mlx_v41.load(golden_checkpoint("tiny"), dspark=True)
+    server = LiveServer(model, tokenizer, batching={"draft": "dspark", "num_draft_tokens": 3,
+                                                    "prefill_step_size": STEP})
+    try:
+        assert isinstance(server.engine, BatchEngine) and server.engine.generator.draft
+        texts, results = [words(31, 4), words(32, 40)], {}
+        threads = [threading.Thread(target=chat, args=(server, text, 10, results, k))
+                   for k, text in enumerate(texts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert server.engine.peak_batch > 1
+        assert server.engine.generator.counters.drafts_proposed > 0
+    finally:
+        server.close()
+    for k, text in enumerate(texts):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            enable_thinking=False)
+        responses = list(mlx_v41.stream_generate(model, tokenizer, ids, max_tokens=10,
+                                                 draft="dspark", num_draft_tokens=3))
+        assert results[k] == ("".join(r.text for r in responses), len(responses)), k

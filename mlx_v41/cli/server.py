@@ -94,8 +94,8 @@ def setup_arg_parser() -> ArgumentParser:
         help="longest prompt accepted, in tokens; longer ones get HTTP 400 before any work "
              "(default: the model's context)")
     add("--serial", action="store_true",
-        help="serve one request after another (the engine before batching; DSpark and "
-             "several ranks always do)")
+        help="serve one request after another (the engine before batching; several ranks "
+             "always do)")
     add("--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
         help="decoded bytes of one image part at most; larger ones get HTTP 400 "
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
@@ -127,7 +127,7 @@ def build_app(args):
 
         group = model.group
         kind = GroupEngine if group.link.rank == 0 else Follower
-    elif not args.dspark and not args.serial:
+    elif not args.serial:
         from ..server.batch_engine import BatchEngine
 
         kind = BatchEngine

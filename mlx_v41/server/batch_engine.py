@@ -6,8 +6,9 @@ while their caches fit the KV budget, run one step (prompt chunks, then one batc
 step), and hand each token to its request. A request's prompt is prefilled in chunks between
 decode steps, so a long prompt never stalls the replies already streaming, and a client that
 leaves mid-prompt frees the worker at the next chunk. Each sequence decodes exactly as it would
-alone (same tokens as the one-at-a-time `Engine`, greedy or with its seed); one that fails
-(a bad image, a processor that raises) fails alone.
+alone (same tokens as the one-at-a-time `Engine`, greedy or with its seed, with or without
+DSpark drafts: with `draft`, one step is a speculative cycle of every sequence); one that
+fails (a bad image, a processor that raises) fails alone.
 """
 
 from __future__ import annotations
@@ -86,15 +87,13 @@ class BatchEngine(Engine):
                  prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
                  kv_budget: Optional[int] = None, **options):
         super().__init__(model, tokenizer, store, **options)
-        if self.draft:
-            raise ValueError("a batching engine does not run DSpark drafts (use Engine)")
         self.kv_budget = default_kv_budget(model, store.max_bytes) if kv_budget is None \
             else kv_budget
         self.generator = BatchGenerator(
             model, stop_tokens=tokenizer.eos_token_ids,
             completion_batch_size=decode_concurrency, prefill_batch_size=prompt_concurrency,
             prefill_step_size=self.prefill_step_size or DEFAULT_PREFILL_STEP_SIZE,
-            on_prefilled=self._prefilled)
+            on_prefilled=self._prefilled, **self.draft)  # DSpark: every request drafts
         self.waiting: deque = deque()  # submitted, not yet in the batch (by arrival)
         self.running: dict = {}  # uid -> _Running
         self.steps = 0  # batch steps run

@@ -24,6 +24,8 @@ from .schedule import FULL, LayerRole
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
 from ..kernels.act_fp8 import ACT_FP8
+from ..kernels.fp4_pack import FP4_PACK, fp4_pack
+from ..kernels.index_queries import INDEX_QUERIES
 from ..kernels.norm import NORM, norm
 from ..kernels.rope_products import ROPE_PRODUCTS, rope_products
 from ..kernels.sparse_attention import (SPARSE_ATTENTION, gather_selected,
@@ -188,8 +190,7 @@ class Attention(nn.Module):
         _wrote_rows(rings, stacked_ring_update_ops(stacked, kv, starts), starts, kv.shape[1])
         each = _Split(x, qr, qr_fp8)
         if self.role.mode == FULL:
-            for g, state in enumerate(states):
-                self.compress(each.x(g), state)
+            self._compress_stacked(each, states)
         q = rope_products(q, self.rope, starts)
         outs, order = [], []
         for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
@@ -199,6 +200,31 @@ class Attention(nn.Module):
             order += members
         out = _in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)
+
+    def _compress_stacked(self, each: "_Split", states: list) -> None:
+        """`compress` of each stacked sequence: the compressor one by one (each its own open
+        group), then the new rows' index keys, RoPE and packing for all of them at once where
+        each has as many contiguous new rows (a decode step: one or none)."""
+        ratio, new = self.role.ratio, []
+        for g, state in enumerate(states):
+            store = state.shared[self.role.layer].store
+            latents, first = self.compressor(each.x(g), store, state.start)
+            if latents.shape[1]:
+                new.append((store, latents, first * ratio))
+        groups = {latents.shape[1] for _, latents, _ in new}
+        if not new or len(groups) > 1 or (ratio > 1 and groups != {1}):
+            for store, latents, position in new:  # as `compress` does
+                group_pos = position + mx.arange(latents.shape[1]) * ratio
+                store.append(self.rope(latents, group_pos),
+                             self.indexer.keys(latents, group_pos, self.rope))
+            return
+        latents = _stack([latents for _, latents, _ in new])
+        starts = tuple(position for _, _, position in new)
+        kv = fp4_pack(self.rope(latents, starts), "kv")
+        index = fp4_pack(self.indexer.keys(latents, starts, self.rope), "index")
+        kv, index = (mx.split(a, len(new)) if len(new) > 1 else [a] for a in (kv, index))
+        for (store, _, _), rows, keys in zip(new, kv, index):
+            store.append_packed(rows, keys)
 
     def _selected_groups(self, x, qr, qr_fp8, each: "_Split", states: list,
                          ctx: BatchState) -> list:
@@ -336,7 +362,8 @@ class Attention(nn.Module):
 
 
 # The dispatchers `_attend_stacked` runs as ops over stacked rows (`runs_ops`).
-STACKED_OPS = (NORM, ACT_FP8, WINDOW_ROWS, SWA_RING_UPDATE, ROPE_PRODUCTS, SPARSE_ATTENTION)
+STACKED_OPS = (NORM, ACT_FP8, WINDOW_ROWS, SWA_RING_UPDATE, ROPE_PRODUCTS, SPARSE_ATTENTION,
+               FP4_PACK, INDEX_QUERIES)
 
 
 def _rows(a: mx.array, members: list) -> mx.array:

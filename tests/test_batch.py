@@ -77,6 +77,48 @@ def test_batch_forward_equals_batch_one_per_step(loaded):
     assert [c[0].offset for c in caches] == [n + len(follow[0]) for n in LENGTHS]
 
 
+def test_full_and_short_windows_in_one_step(loaded, monkeypatch):
+    """Sequences whose window is full attend stacked (their rings, selections and attention
+    at once) while those with short windows attend alone, in the same calls; the short ones
+    join the stacked path as their windows fill, and the steps cross compression groups
+    (ratio 2 every other step, ratio 1 every step) and the stacked selection's padding: each
+    sequence's logits stay those of batch 1 at every step."""
+    from mlx_v41.model.attention import Attention
+
+    model, _ = loaded
+    lengths = [3, 40, 12, 15, 71, 8]  # window 16: full from position 15 on
+    texts, follow = prompts(lengths, seed=5), prompts([13] * len(lengths), seed=6)
+    expected = []
+    for ids, cont in zip(texts, follow):
+        cache = model.make_cache()
+        model.prefill(mx.array([ids]), cache, step_size=STEP)
+        expected.append([np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in cont])
+    caches = []
+    for ids in texts:
+        caches.append(model.make_cache())
+        model.prefill(mx.array([ids]), caches[-1], step_size=STEP)
+    calls = {"stacked": 0, "alone": 0}
+    stacked, alone = Attention._attend_stacked, Attention._attend
+
+    def count(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(Attention, "_attend_stacked", count("stacked", stacked))
+    monkeypatch.setattr(Attention, "_attend", count("alone", alone))
+    for step in range(len(follow[0])):
+        calls.update(stacked=0, alone=0)
+        logits = batch_forward(model, mx.array([[c[step]] for c in follow]), caches).logits
+        for b in range(len(texts)):
+            assert np.array_equal(np.array(logits[b, -1]), expected[b][step]), (step, b)
+        layers = model.cfg.num_hidden_layers  # attention layers (the cache has the draft too)
+        if step == 0:  # 3 full windows stacked, 3 short ones alone, in every layer
+            assert calls == {"stacked": layers, "alone": 3 * layers}
+    assert calls == {"stacked": layers, "alone": 0}  # by the last step every window is full
+
+
 def test_batch_generate_greedy_and_seeded(loaded):
     model, tokenizer = loaded
     from mlx_lm.sample_utils import make_sampler

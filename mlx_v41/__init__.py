@@ -15,7 +15,8 @@ from .checkpoint.load import load_model
 from .errors import CheckpointError
 from .checkpoint.source import load
 from .generation.api import generate, stream_generate
-from .generation.batch import BatchGenerator, batch_generate
+from .generation.batch import BatchGenerator
+from .generation.batch_generate import batch_generate
 from .generation.speculative import Sampling
 from .model.config import ConfigError, ConfigWarning, ModelArgs
 

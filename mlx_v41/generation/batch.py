@@ -7,7 +7,7 @@ once per step, `remove` a finished or cancelled sequence. A step
    the bits of a batch-1 prefill with the same `prefill_step_size`), round-robin over at
    most `prefill_batch_size` prompts and at most `prefill_budget` prompt tokens per step, so a
    long prompt never stalls the sequences already decoding and a short prompt behind it
-   starts after a chunk or two;
+   starts after a few chunks;
 2. feeds every decoding sequence's last token in one batched forward
    (`model.batch.batch_forward`: one call, each row against its own cache), emits those
    tokens, and samples each sequence's next token with its own sampler, logits processors
@@ -22,7 +22,7 @@ Each sequence lives in its own cache list; joining or leaving never copies anoth
 token is emitted once it has been fed to its cache (as `generate_step` does), so a finished
 sequence's cache holds its prompt and every emitted token.
 
-`batch_generate` runs a list of prompts to the end, like mlx-lm's.
+`batch_generate` (`batch_generate.py`) runs a list of prompts to the end, like mlx-lm's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -66,18 +66,6 @@ class BatchStats:
     @property
     def generation_tps(self) -> float:
         return self.generation_tokens / max(self.generation_time, 1e-9)
-
-
-@dataclass
-class BatchResponse:
-    """`batch_generate`'s result (mlx-lm's): texts in prompt order, stats, and with
-    `return_prompt_caches` each sequence's cache (its prompt and reply)."""
-
-    texts: List[str]
-    stats: BatchStats
-    caches: Optional[List[list]] = None
-    token_ids: Optional[List[List[int]]] = None
-    logprobs: Optional[List[List[float]]] = None
 
 
 @dataclass
@@ -514,71 +502,3 @@ class BatchGenerator:
                 group.remove(seq)
         forks, seq.forks = seq.forks, []
         return [Response(one.uid, -1, None, "error", one.cache, error) for one in (seq, *forks)]
-
-
-def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]],
-                   prompt_caches: Optional[List[list]] = None,
-                   max_tokens: Union[int, List[int]] = 128, verbose: bool = False,
-                   return_prompt_caches: bool = False, return_token_ids: bool = False,
-                   return_logprobs: bool = False, **kwargs) -> BatchResponse:
-    """Replies to every prompt, decoded together (mlx-lm's `batch_generate`).
-
-    Args:
-        prompts: token id lists (or strings, tokenized as `stream_generate` does).
-        prompt_caches: a cache per prompt holding its prefix; they are not changed (each
-            sequence continues a copy).
-        max_tokens: one for all, or one per prompt.
-        return_prompt_caches / return_token_ids / return_logprobs: add each sequence's final
-            cache, generated ids (the stop token not included) and their log-probabilities.
-        kwargs: `BatchGenerator` settings (`sampler`, `logits_processors`,
-            `completion_batch_size`, `prefill_batch_size`, `prefill_step_size`,
-            `prefill_budget`, `draft`, `num_draft_tokens`, `draft_confidence`); `seeds`
-            (one per prompt, as `insert`'s) and `images` (per
-            prompt: None or the images of its placeholders, as `stream_generate`'s).
-    Returns:
-        `BatchResponse`. Each sequence's text equals what `generate` gives it alone (greedy,
-        or sampled with the same seed).
-    """
-    from ..model.vision.prompt import prepare_prompt
-
-    seeds = kwargs.pop("seeds", None)
-    images = kwargs.pop("images", None) or [None] * len(prompts)
-    generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, **kwargs)
-    caches = None if prompt_caches is None else [copy_cache(c) for c in prompt_caches]
-    ids, inputs = [], []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            empty = caches is None or caches[i][0].offset == 0
-            prompt = tokenizer.encode_prompt(prompt, add_bos=empty)
-        expanded = prepare_prompt(model, list(prompt), images[i])  # image spans expanded
-        ids.append(expanded.ids)
-        inputs.append(expanded.inputs(model))
-    uids = generator.insert(ids, max_tokens, caches, seeds=seeds, images=inputs)
-    tokens = {uid: [] for uid in uids}
-    logprobs = {uid: [] for uid in uids}
-    finished = {}
-    with generator.stats() as stats:
-        while len(generator):
-            for r in generator.next():
-                if r.finish_reason == "error":
-                    raise r.error
-                if r.finish_reason != "stop" and r.token >= 0:
-                    tokens[r.uid].append(r.token)
-                    if return_logprobs:
-                        logprobs[r.uid].append(r.logprobs[r.token].item())
-                if r.finish_reason is not None:
-                    finished[r.uid] = r.prompt_cache
-                    if verbose:
-                        print(f"[batch_generate] Finished processing {len(finished)}/"
-                              f"{len(uids)} ...", end="\r")
-    texts = [tokenizer.decode(tokens[uid]) for uid in uids]
-    if verbose:
-        print(f"\n[batch_generate] Prompt: {stats.prompt_tokens} tokens, "
-              f"{stats.prompt_tps:.3f} tokens-per-sec")
-        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, "
-              f"{stats.generation_tps:.3f} tokens-per-sec")
-        print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
-    return BatchResponse(
-        texts, stats, [finished[uid] for uid in uids] if return_prompt_caches else None,
-        [tokens[uid] for uid in uids] if return_token_ids else None,
-        [logprobs[uid] for uid in uids] if return_logprobs else None)

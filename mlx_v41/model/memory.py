@@ -28,20 +28,29 @@ def global_bytes_per_token(cfg: TextConfig) -> float:
     return sum((main + index) / r.ratio for r in owners)
 
 
-def fixed_cache_bytes(cfg: TextConfig) -> dict:
-    """Constant per-sequence state: window rings and the ratio-2 compressor-input rings."""
+def fixed_cache_bytes(cfg: TextConfig, drafter: bool = False) -> dict:
+    """Constant per-sequence state: window rings, the ratio-2 compressors' input rings and
+    open groups, and with the DSpark `drafter` its stages' rings (one row wider)."""
     ring = RING_FACTOR * cfg.sliding_window
-    window = cfg.num_hidden_layers * ring * (cfg.head_dim + cfg.head_dim // 32)
+    row = cfg.head_dim + cfg.head_dim // 32
+    window = cfg.num_hidden_layers * ring * row
     owners = [r for r in layer_roles(cfg)[:cfg.num_hidden_layers] if r.mode == FULL
               and r.ratio > 1]
     inputs = len(owners) * ring * 2 * cfg.head_dim * FP32_BYTES
-    return {"window": window, "compressor_inputs": inputs}
+    out = {"window": window, "compressor_inputs": inputs,
+           "open_groups": len(owners) * 2 * cfg.head_dim * FP32_BYTES}
+    if drafter:
+        stages = len(cfg.compress_ratios) - cfg.num_hidden_layers
+        out["draft_rings"] = stages * RING_FACTOR * (cfg.sliding_window + 1) * row
+    return out
 
 
-def session_bytes(cfg: TextConfig, tokens: int) -> int:
-    """One sequence's cache at `tokens` positions (global KV + the constant state); the
-    compressed rows grow in pages, so a live cache may hold up to a page more."""
-    return int(global_bytes_per_token(cfg) * tokens + sum(fixed_cache_bytes(cfg).values()))
+def session_bytes(cfg: TextConfig, tokens: int, drafter: bool = False) -> int:
+    """One sequence's cache at `tokens` positions (global KV + the constant state, with the
+    DSpark `drafter`'s rings when it is loaded); the compressed rows grow in pages, so a live
+    cache may hold up to a page more."""
+    return int(global_bytes_per_token(cfg) * tokens
+               + sum(fixed_cache_bytes(cfg, drafter).values()))
 
 
 def weight_bytes(args: ModelArgs) -> tuple[int, int]:

@@ -101,7 +101,8 @@ class BatchEngine(Engine):
 
     def reserve(self, job: Job) -> int:
         """Bytes a request's cache may reach: its prompt and every token it may generate."""
-        return session_bytes(self.model.cfg, len(job.prompt.ids) + job.settings.max_tokens)
+        return session_bytes(self.model.cfg, len(job.prompt.ids) + job.settings.max_tokens,
+                             self.model.drafting)
 
     def submit_many(self, prompt, settings: list) -> list:
         """One job per choice (OpenAI's `n`); the first one's prefill serves them all (the

@@ -182,6 +182,7 @@ def test_joins_and_leaves_mid_run(loaded):
     assert cut_prefill not in out
 
 
+@pytest.mark.slow
 def test_long_prefill_does_not_stall_decoding(loaded):
     """A long prompt is read one chunk per step while the others decode; a short prompt that
     arrives behind it starts after a chunk, and every output equals its batch-1 one."""
@@ -313,6 +314,7 @@ def test_other_prefill_modes(mode):
                               if t not in stops] for text in texts]
 
 
+@pytest.mark.slow
 def test_forks_share_one_prefill(loaded):
     """n replies from one prefill: each fork samples as a batch-1 run with its seed would."""
     model, tokenizer = loaded

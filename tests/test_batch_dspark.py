@@ -204,6 +204,7 @@ def test_seeded_sampling_equals_batch_one(loaded):
     assert sampled != [truth(model, *texts[i:])[:8] for i in range(len(texts))]
 
 
+@pytest.mark.slow
 def test_joins_and_leaves_mid_run(loaded):
     """Sequences inserted while others decode, one removed mid-prefill and one mid-decode:
     every sequence that runs to its end emits its batch-1 tokens and drafts."""
@@ -246,6 +247,7 @@ def test_joins_and_leaves_mid_run(loaded):
     assert later[1] not in out
 
 
+@pytest.mark.slow
 def test_an_interrupted_cycle_changes_no_cache_nor_random_stream(loaded, monkeypatch):
     """Ctrl-C in the verify forward: no cache changed, no sequence's random stream advanced;
     the batch goes on and each seeded sequence still samples its batch-1 tokens."""

@@ -88,6 +88,7 @@ def test_concurrent_requests_batch_and_equal_batch_one(live):
         assert results[k] == want, k
 
 
+@pytest.mark.slow
 def test_short_request_behind_a_long_prompt_starts_first(live):
     """A 600-token prompt takes ~38 chunks; a short request sent just after it is answered
     (whole) while the long one is still being read."""
@@ -147,6 +148,7 @@ def test_a_failing_request_fails_alone(live):
     assert results["good"] == expected(model, tokenizer, words(3, 40), 10)
 
 
+@pytest.mark.slow
 def test_the_kv_budget_queues_and_refuses():
     """A budget for one request at a time: two concurrent ones run one after the other, both
     right; one that could never fit gets a 400 naming max_tokens."""
@@ -282,6 +284,7 @@ def _quiet_post(port, body):
         pass
 
 
+@pytest.mark.slow
 def test_n_choices_share_one_prefill(live):
     """`n` = 3 with a seed: one prefill, three choices, choice i equal to a request with seed +
     i, in chat (streamed and not) and completions; usage counts the prompt once."""
@@ -316,6 +319,7 @@ def test_n_choices_share_one_prefill(live):
     assert completion.choices[0].text == completion.choices[1].text  # greedy: the same
 
 
+@pytest.mark.slow
 def test_dspark_requests_batch_and_equal_batch_one():
     """With --dspark the batching engine drafts for every request: two concurrent greedy
     requests run in one batch and each gets its batch-1 DSpark reply."""

@@ -91,8 +91,13 @@ class WindowRing:
         if self.rows is None:
             width = values.shape[-1] + values.shape[-1] // 32
             self.rows = mx.zeros((values.shape[0], self.capacity, width), mx.uint8)
-        self.rows = swa_ring_update(self.rows, values, position)
-        end = position + values.shape[1]
+        self.took(swa_ring_update(self.rows, values, position), position, values.shape[1])
+
+    def took(self, rows: mx.array, position: int, length: int) -> None:
+        """`rows` are now the ring, after positions [position, position + length) were
+        written into it (by `write`, or by one update of several stacked rings)."""
+        self.rows = rows
+        end = position + length
         if position > self.end:  # rows in between were never computed (CED prefill)
             self.valid_from = position
         self.valid_from = max(self.valid_from, end - self.capacity)

@@ -405,13 +405,7 @@ class _Split:
 
 
 def _wrote_rows(rings: list, stacked: mx.array, starts: tuple, length: int) -> None:
-    """Hand each ring its row of the stacked ring after writing `length` rows at its start
-    (the bookkeeping of `WindowRing.write`, whose rows went through the stacked update)."""
+    """Hand each ring its row of the stacked ring after writing `length` rows at its start."""
     rows = mx.split(stacked, len(rings)) if len(rings) > 1 else [stacked]
     for ring, row, start in zip(rings, rows, starts):
-        end = start + length
-        ring.rows = row
-        if start > ring.end:
-            ring.valid_from = start
-        ring.valid_from = max(ring.valid_from, end - ring.capacity)
-        ring.end = end
+        ring.took(row, start, length)

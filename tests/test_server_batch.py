@@ -347,3 +347,28 @@ def test_dspark_requests_batch_and_equal_batch_one():
         responses = list(mlx_v41.stream_generate(model, tokenizer, ids, max_tokens=10,
                                                  draft="dspark", num_draft_tokens=3))
         assert results[k] == ("".join(r.text for r in responses), len(responses)), k
+
+
+def test_the_serial_engine_also_stops_a_prompt_whose_client_left():
+    """--serial: the prompt stops at the next chunk too, and nothing is kept of it."""
+    model, tokenizer = tiny()
+    server = LiveServer(model, tokenizer, serial=True)
+    server.engine.prefill_step_size = STEP
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        body = {"messages": [{"role": "user", "content": words(8, 3000)}], "max_tokens": 5,
+                "stream": True, **CHAT_OFF}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        while not server.engine.in_flight:
+            time.sleep(0.005)
+        time.sleep(0.5)  # a few chunks of ~190 are in
+        tic = time.monotonic()
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert server.wait_idle(10)
+        assert time.monotonic() - tic < 5
+        assert server.engine.last_finish.reason == "cancelled"
+        assert server.store.nbytes == 0  # nothing of the abandoned prompt was kept
+    finally:
+        server.close()

@@ -25,6 +25,10 @@ from .reply_parser import held_suffix
 log = logging.getLogger("mlx_v41.server")
 
 
+class _Cancelled(Exception):
+    """A request's client left while its prompt was being read."""
+
+
 class EngineBusy(RuntimeError):
     """Too many requests in flight (HTTP 429)."""
 
@@ -237,6 +241,17 @@ class Engine:
         """Checked after every token (a group engine shares rank 0's answer)."""
         return job.cancelled.is_set()
 
+    def _prefill_check(self, job: Job):
+        """Called after each prefill chunk: stops a prompt whose client left (one process;
+        across ranks the prompt runs to its end, its cancel is seen at the first token)."""
+        if self.group is not ONE_PROCESS:
+            return None
+
+        def check(done: int, total: int) -> None:
+            if job.cancelled.is_set():
+                raise _Cancelled
+        return check
+
     def _reuse(self, job: Job):
         """The store's choice of a cached prefix for the job (`PromptCacheStore.choose`)."""
         return self.store.choose(job.prompt.ids, job.prompt.records())
@@ -280,8 +295,12 @@ class Engine:
         todo = prompt.ids[cached:]
         tic = time.perf_counter()
         # The tower runs here, for the images whose spans reach past the reused prefix.
-        logits = prefill(self.model, todo, state.cache, self.prefill_step_size,
-                         images=prompt.inputs(self.model, cached), group=self.group)
+        try:
+            logits = prefill(self.model, todo, state.cache, self.prefill_step_size,
+                             self._prefill_check(job),
+                             images=prompt.inputs(self.model, cached), group=self.group)
+        except _Cancelled:  # the client left mid-prompt: the cache is as it was, nothing kept
+            return Finish("cancelled", len(prompt.ids), 0, cached)
         seconds = time.perf_counter() - tic
         state.tokens.extend(todo)
         state.images = records

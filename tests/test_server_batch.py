@@ -372,3 +372,29 @@ def test_the_serial_engine_also_stops_a_prompt_whose_client_left():
         assert server.store.nbytes == 0  # nothing of the abandoned prompt was kept
     finally:
         server.close()
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(live):
+    """A step that raises (every cache is left as it was) fails the requests in it with a 500;
+    the next request is served as usual."""
+    model, tokenizer = tiny()
+    generator = live.engine.generator
+    real = generator.next
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("step broke")
+        return real()
+
+    generator.next = broken
+    try:
+        status, reply = post(live.port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    finally:
+        del generator.next
+    assert status == 500 and "step broke" in reply["error"]["message"]
+    results = {}
+    chat(live, words(2, 10), 5, results, 0)
+    assert results[0] == expected(model, tokenizer, words(2, 10), 5)
+    assert not generator.sequences

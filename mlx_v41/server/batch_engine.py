@@ -141,12 +141,16 @@ class BatchEngine(Engine):
                 stopping = self._take(block=not self.running and not self.waiting
                                       and not stopping) or stopping
                 with self.lock:  # held while the model runs (as the serial engine's)
-                    self._drop_cancelled()
-                    self._admit()
-                    if self.running:
-                        self._step()
-                        self.steps += 1
-                        self.peak_batch = max(self.peak_batch, len(self.running))
+                    try:
+                        self._drop_cancelled()
+                        self._admit()
+                        if self.running:
+                            self._step()
+                            self.steps += 1
+                            self.peak_batch = max(self.peak_batch, len(self.running))
+                    except Exception as e:  # a bug of ours: fail what runs, keep serving
+                        log.exception("batch engine step failed")
+                        self._fail_running(e)
                 if not self.running and not self.waiting:
                     self._flush()  # new prompt caches go to disk while the batch is idle
         self._stopped()
@@ -231,14 +235,17 @@ class BatchEngine(Engine):
         run.state.images = run.job.prompt.records()
         run.snapshot = run.state.copy()  # the prompt: a thinking-mode next turn resumes here
 
+    def _fail_running(self, error: BaseException) -> None:
+        for uid in list(self.running):
+            self.generator.remove([uid])
+            self._end(self.running.pop(uid).job, error)
+
     def _step(self) -> None:
         try:
             responses = self.generator.next()
         except Exception as e:  # the whole step failed (no cache changed): so does every request
             log.exception("batch step failed")
-            for uid in list(self.running):
-                self.generator.remove([uid])
-                self._end(self.running.pop(uid).job, e)
+            self._fail_running(e)
             return
         for r in responses:
             run = self.running.get(r.uid)

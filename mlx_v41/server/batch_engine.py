@@ -100,8 +100,11 @@ class BatchEngine(Engine):
         self.peak_batch = 0  # most requests in the batch at once
 
     def reserve(self, job: Job) -> int:
-        """Bytes a request's cache may reach: its prompt and every token it may generate."""
-        return session_bytes(self.model.cfg, len(job.prompt.ids) + job.settings.max_tokens,
+        """Bytes a request's cache may reach: its prompt, every token it may generate and,
+        decoding speculatively, the drafts a verify holds before they are trimmed."""
+        drafts = self.draft.get("num_draft_tokens", 0) if self.draft else 0
+        return session_bytes(self.model.cfg,
+                             len(job.prompt.ids) + job.settings.max_tokens + drafts,
                              self.model.drafting)
 
     def submit_many(self, prompt, settings: list) -> list:

@@ -363,3 +363,30 @@ def test_metal_batch_difference_is_bounded():
             difference = mx.max(mx.abs(got[b] - expected)).item()
             assert difference <= 1e-2 * spread, (b, difference, spread)
             assert mx.argmax(got[b]).item() == mx.argmax(expected).item()
+
+
+def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
+    """Every sequence past its window (all attend stacked) and past the Engram n-gram
+    history (one hash for all), at odd and even positions (open compressor group or not),
+    stepping one row and then two: each step's logits equal batch 1's."""
+    model, _ = loaded
+    texts = prompts([17, 18, 33, 40, 51])
+    blocks = [1, 2, 1, 1, 2, 1]
+    follow = prompts([sum(blocks)] * len(texts), seed=2)
+
+    def prefilled(ids):
+        cache = model.make_cache()
+        model.prefill(mx.array([ids]), cache, step_size=STEP)
+        return cache
+
+    alone_caches = [prefilled(ids) for ids in texts]
+    caches = [prefilled(ids) for ids in texts]
+    done = 0
+    for step, n in enumerate(blocks):
+        rows = [cont[done:done + n] for cont in follow]
+        logits = batch_forward(model, mx.array(rows), caches).logits
+        for b, (row, cache) in enumerate(zip(rows, alone_caches)):
+            expected = np.array(model(mx.array([row]), cache=cache)[0])
+            assert np.array_equal(np.array(logits[b]), expected), (step, b)
+        done += n
+    assert [c[0].offset for c in caches] == [len(t) + done for t in texts]

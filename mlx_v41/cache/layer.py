@@ -156,6 +156,11 @@ class CompressedKV:
         self.inputs = _put_rows(self.inputs, mx.arange(start, start + keep) % self.history,
                                 rows[:, -keep:])
 
+    def took_inputs(self, inputs: mx.array) -> None:
+        """`inputs` [1, history, 2, d] are now the input ring (written by one update of
+        several stacked rings)."""
+        self.inputs = inputs
+
     def packed_rows(self) -> mx.array:
         """Packed main-KV rows [B, count, bytes]; attention decodes only what it selects."""
         return self.kv[:, :self.count]

@@ -190,7 +190,7 @@ class Attention(nn.Module):
         _wrote_rows(rings, stacked_ring_update_ops(stacked, kv, starts), starts, kv.shape[1])
         each = _Split(x, qr, qr_fp8)
         if self.role.mode == FULL:
-            self._compress_stacked(each, states)
+            self._compress_stacked(x, states)
         q = rope_products(q, self.rope, starts)
         outs, order = [], []
         for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
@@ -201,30 +201,32 @@ class Attention(nn.Module):
         out = _in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)
 
-    def _compress_stacked(self, each: "_Split", states: list) -> None:
-        """`compress` of each stacked sequence: the compressor one by one (each its own open
-        group), then the new rows' index keys, RoPE and packing for all of them at once where
-        each has as many contiguous new rows (a decode step: one or none)."""
-        ratio, new = self.role.ratio, []
-        for g, state in enumerate(states):
-            store = state.shared[self.role.layer].store
-            latents, first = self.compressor(each.x(g), store, state.start)
-            if latents.shape[1]:
-                new.append((store, latents, first * ratio))
-        groups = {latents.shape[1] for _, latents, _ in new}
-        if not new or len(groups) > 1 or (ratio > 1 and groups != {1}):
-            for store, latents, position in new:  # as `compress` does
-                group_pos = position + mx.arange(latents.shape[1]) * ratio
-                store.append(self.rope(latents, group_pos),
-                             self.indexer.keys(latents, group_pos, self.rope))
+    def _compress_stacked(self, x: mx.array, states: list) -> None:
+        """`compress` of each stacked sequence: the compressor over all of them at once
+        (`Compressor.stacked`), then the new rows' index keys, RoPE and packing for all of
+        them at once where each has as many contiguous new rows (a decode step: one or none)."""
+        ratio = self.role.ratio
+        stores = [state.shared[self.role.layer].store for state in states]
+        made = [(members, latents, firsts) for members, latents, firsts in
+                self.compressor.stacked(x, stores, tuple(state.start for state in states))
+                if latents.shape[1]]
+        widths = {latents.shape[1] for _, latents, _ in made}
+        if not made:
             return
-        latents = _stack([latents for _, latents, _ in new])
-        starts = tuple(position for _, _, position in new)
-        kv = fp4_pack(self.rope(latents, starts), "kv")
-        index = fp4_pack(self.indexer.keys(latents, starts, self.rope), "index")
-        kv, index = (mx.split(a, len(new)) if len(new) > 1 else [a] for a in (kv, index))
-        for (store, _, _), rows, keys in zip(new, kv, index):
-            store.append_packed(rows, keys)
+        if len(widths) > 1 or (ratio > 1 and widths != {1}):
+            for members, latents, firsts in made:  # as `compress` does
+                for g, rows, first in zip(members, _split(latents), firsts):
+                    group_pos = (first + mx.arange(rows.shape[1])) * ratio
+                    stores[g].append(self.rope(rows, group_pos),
+                                     self.indexer.keys(rows, group_pos, self.rope))
+            return
+        latents = _stack([latents for _, latents, _ in made])
+        starts = tuple(first * ratio for _, _, firsts in made for first in firsts)
+        kv = _split(fp4_pack(self.rope(latents, starts), "kv"))
+        index = _split(fp4_pack(self.indexer.keys(latents, starts, self.rope), "index"))
+        order = [g for members, _, _ in made for g in members]
+        for g, rows, keys in zip(order, kv, index):
+            stores[g].append_packed(rows, keys)
 
     def _selected_groups(self, x, qr, qr_fp8, each: "_Split", states: list,
                          ctx: BatchState) -> list:
@@ -375,6 +377,11 @@ def _rows(a: mx.array, members: list) -> mx.array:
 
 def _stack(parts: list) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _split(a: mx.array) -> list:
+    """The rows [1, ...] of axis 0."""
+    return mx.split(a, a.shape[0]) if a.shape[0] > 1 else [a]
 
 
 def _in_order(parts: list, order: list) -> mx.array:

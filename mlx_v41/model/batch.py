@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import mlx.core as mx
-
 from ..cache.layer import commit, transaction
 from ..kernels.context import using
-from .engram import engram_rows
+from .engram import engram_rows_stacked
 from .prefill import ModelOutput, _as_ids, write_draft_rings
 from .shared import BatchState, ForwardState, Taps, shared_state
 
@@ -49,10 +47,9 @@ def batch_forward(model, ids, caches: Sequence[list]) -> ModelOutput:
     by_layer = [list(layer) for layer in zip(*caches)]  # layer -> that layer of each sequence
     everything = [c for cache in caches for c in cache]
     with transaction(everything), using(model.kernels):
-        rows = [engram_rows(model.engram_hasher, model.cfg.engram_layer_ids, ids[b:b + 1],
-                            caches[b]) for b in range(batch)]
-        state = BatchState(states, None if rows[0] is None else mx.concatenate(rows, axis=0),
-                           taps=taps)
+        rows = engram_rows_stacked(model.engram_hasher, model.cfg.engram_layer_ids, ids,
+                                   caches)
+        state = BatchState(states, rows, taps=taps)
         streams, pre = text.residual_input(text.embed_tokens(ids))
         streams, pre = text.encoder_stack(streams, pre, state, by_layer)
         hidden = text.decoder_stack(streams, pre, state, by_layer)

@@ -40,3 +40,69 @@ class Compressor(nn.Module):
         s = s[:, :groups * self.ratio].reshape(batch, groups, self.ratio, dim)
         latents = mx.sum(mx.softmax(s, axis=2) * k, axis=2)
         return self.kv_norm(latents.astype(mx.bfloat16)), first_group
+
+    def stacked(self, x: mx.array, stores: list, starts: tuple) -> list:
+        """`__call__` of G sequences at once, x [G, S, D] (row g at position starts[g] of
+        stores[g]): the projections over all rows, the input rings in one update, and the
+        groups pooled together for the sequences with as long an open group (same shapes)
+        -> [(members, latents [M, groups, d] bf16, first group index of each member)]."""
+        if self.ratio == 1:
+            return [(list(range(len(stores))), self.kv_norm(self.kv_proj(x)), list(starts))]
+        k, s = self.kv_proj(x), self.gate_proj(x)
+        _remember_stacked(stores, k, s, starts)
+        phases: dict = {}
+        for g, store in enumerate(stores):
+            phases.setdefault(0 if store.pending is None else store.pending[0].shape[1],
+                              []).append(g)
+        return [self._pool_phase(members, _take(k, members), _take(s, members), stores, starts)
+                for members in phases.values()]
+
+    def _pool_phase(self, members: list, k: mx.array, s: mx.array, stores: list,
+                    starts: tuple) -> tuple:
+        """The groups of `members` (each with an open group of the same length)."""
+        if stores[members[0]].pending is not None:
+            k = mx.concatenate([_stack([stores[g].pending[0] for g in members]), k], axis=1)
+            s = mx.concatenate([_stack([stores[g].pending[1] for g in members]), s], axis=1)
+        groups = k.shape[1] // self.ratio
+        tail = k.shape[1] - groups * self.ratio
+        opened = zip(_split(k[:, -tail:]), _split(s[:, -tail:])) if tail else [None] * len(members)
+        for g, pending in zip(members, opened):
+            stores[g].pending = pending
+        batch, _, dim = k.shape
+        k = k[:, :groups * self.ratio].reshape(batch, groups, self.ratio, dim)
+        s = s[:, :groups * self.ratio].reshape(batch, groups, self.ratio, dim)
+        latents = mx.sum(mx.softmax(s, axis=2) * k, axis=2)
+        firsts = [starts[g] // self.ratio for g in members]
+        return members, self.kv_norm(latents.astype(mx.bfloat16)), firsts
+
+
+def _remember_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> None:
+    """`remember_inputs` of every store: one update of the stacked rings where all hold a
+    ring of the same shape with room for the rows, else one by one."""
+    batch, length = k.shape[:2]
+    rings = [store.inputs for store in stores]
+    history = stores[0].history
+    if (not history or any(r is None for r in rings) or length > history
+            or len({(store.history,) + r.shape for store, r in zip(stores, rings)}) > 1):
+        for g, store in enumerate(stores):
+            store.remember_inputs(k[g:g + 1], s[g:g + 1], starts[g])
+        return
+    slots = (mx.array(starts)[:, None] + mx.arange(length)) % history
+    rows = mx.put_along_axis(_stack(rings), slots.reshape(batch, length, 1, 1),
+                             mx.stack([k, s], axis=2), axis=1)
+    for store, row in zip(stores, _split(rows)):
+        store.took_inputs(row)
+
+
+def _take(a: mx.array, members: list) -> mx.array:
+    if members == list(range(a.shape[0])):
+        return a
+    return mx.take(a, mx.array(members), axis=0)
+
+
+def _stack(parts: list) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _split(a: mx.array) -> list:
+    return mx.split(a, a.shape[0]) if a.shape[0] > 1 else [a]

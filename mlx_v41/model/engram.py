@@ -173,3 +173,28 @@ def engram_rows(hasher, layers: list, ids: mx.array, cache: list,
     for layer in layers:
         cache[layer].engram_ids = kept
     return rows
+
+
+def engram_rows_stacked(hasher, layers: list, ids: mx.array,
+                        caches: list) -> Optional[mx.array]:
+    """`engram_rows` of B sequences (row b of `ids` [B, S] continues `caches[b]`) in one hash:
+    a row's hash reads only the last `history_length` ids before it, so where every sequence
+    has that many their tails are stacked; otherwise sequence by sequence."""
+    if not layers or hasher is None or len(caches) == 1:
+        return _rows_one_by_one(hasher, layers, ids, caches)
+    depth = hasher.history_length
+    seen = [cache[layers[0]].engram_ids for cache in caches]
+    if depth == 0 or any(s.shape[0] != 1 or s.shape[1] < depth for s in seen):
+        return _rows_one_by_one(hasher, layers, ids, caches)
+    seen = [s if isinstance(s, mx.array) else mx.array(s) for s in seen]
+    rows, compressed = hasher.hash_lazy(ids, mx.concatenate([s[:, -depth:] for s in seen]))
+    for cache, history, new in zip(caches, seen, mx.split(compressed, len(caches))):
+        kept = mx.concatenate([history, new], axis=1)[:, -ENGRAM_KEPT:]
+        for layer in layers:
+            cache[layer].engram_ids = kept
+    return rows
+
+
+def _rows_one_by_one(hasher, layers: list, ids: mx.array, caches: list) -> Optional[mx.array]:
+    rows = [engram_rows(hasher, layers, ids[b:b + 1], cache) for b, cache in enumerate(caches)]
+    return None if rows[0] is None else mx.concatenate(rows, axis=0)

@@ -12,7 +12,8 @@ import pytest
 
 import mlx_v41
 from conftest import golden_checkpoint, reference_ops, slow
-from mlx_v41.generation.batch import BatchGenerator, RandomKey
+from mlx_v41.generation.batch import BatchGenerator
+from mlx_v41.generation.sequence import RandomKey
 from mlx_v41.generation.batch_generate import batch_generate
 from mlx_v41.model.batch import batch_forward
 

@@ -12,6 +12,7 @@ from typing import Optional
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
 from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
+from ..generation.sequence import MAX_SEED
 from ..generation.speculative import MAX_DRAFT_TOKENS, Sampling
 
 
@@ -33,7 +34,6 @@ DEFAULT_MIN_P = 0.0
 DEFAULT_TOP_K = 0
 
 
-MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
 PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder halo; full: "

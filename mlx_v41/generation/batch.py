@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -41,101 +40,8 @@ from ..kernels.context import using
 from ..model.batch import batch_forward
 from ..model.prefill import forward_steps
 from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
-from .speculative import (DraftStats, Speculation, check_draft_settings, model_drafter,
-                          verify_blocks)
-
-MAX_SEED = 2 ** 64 - 1
-
-
-@dataclass
-class BatchStats:
-    """What a generator did while a `stats()` block ran (mlx-lm's fields)."""
-
-    prompt_tokens: int = 0
-    prompt_time: float = 0.0
-    generation_tokens: int = 0
-    generation_time: float = 0.0
-    peak_memory: float = 0.0  # GB, process-wide
-    drafts_proposed: int = 0  # with draft="dspark", over all sequences
-    drafts_accepted: int = 0
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / max(self.prompt_time, 1e-9)
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generation_tokens / max(self.generation_time, 1e-9)
-
-
-@dataclass
-class Response:
-    """One emitted token of one sequence (`BatchGenerator.next`).
-
-    finish_reason: None while the sequence goes on; "stop" (a stop token), "length"
-    (max_tokens or the context) or "error" (`error` says why; no token then, -1).
-    prompt_cache: the sequence's cache when it finished (prompt and every emitted token).
-    from_draft: the token is a DSpark draft the target accepted; draft_stats: the sequence's
-    drafts proposed / accepted so far (with draft="dspark").
-    """
-
-    uid: int
-    token: int
-    logprobs: Optional[mx.array]
-    finish_reason: Optional[str] = None
-    prompt_cache: Optional[list] = None
-    error: Optional[BaseException] = None
-    from_draft: bool = False
-    draft_stats: Optional[DraftStats] = None
-
-
-class RandomKey:
-    """A sequence's own random stream: sampling with it draws exactly what a batch-1 run
-    seeded with `seed` draws (the global key is set to this stream's before each sample and
-    read back after)."""
-
-    def __init__(self, seed: int):
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {seed!r}")
-        self.seed = seed
-
-    @contextmanager
-    def active(self):
-        mx.random.seed(self.seed)
-        try:
-            yield
-        finally:
-            high, low = mx.random.state[0].tolist()
-            self.seed = (high << 32) | low
-
-
-def _random(key: Optional[RandomKey]):
-    """The sequence's random stream as the global one (the global one when it has none)."""
-    return nullcontext() if key is None else key.active()
-
-
-@dataclass
-class BatchSequence:
-    uid: int
-    prompt: list
-    cache: list
-    max_tokens: int
-    sampler: Callable
-    processors: list
-    key: Optional[RandomKey]
-    images: object = None
-    steps: object = None  # the prefill generator while prefilling
-    history: Optional[mx.array] = None  # prompt and sampled tokens (for processors)
-    token: Optional[mx.array] = None  # sampled, not yet fed
-    logprobs: Optional[mx.array] = None
-    generated: int = 0
-    finish_reason: Optional[str] = None
-    prefilled: int = 0  # prompt tokens in the cache so far
-    forks: list = field(default_factory=list)  # sequences that branch off once the prompt is in
-    spec: Optional[Speculation] = None  # with draft="dspark", once decoding
-
-    def progress(self, done: int, total: int) -> None:
-        self.prefilled = done
+from .sequence import BatchSequence, BatchStats, RandomKey, Response, random_stream
+from .speculative import Speculation, check_draft_settings, model_drafter, verify_blocks
 
 
 class BatchGenerator:
@@ -380,7 +286,7 @@ class BatchGenerator:
             if one.max_tokens == 0:
                 one.finish_reason = "length"
             elif self.draft:
-                with _random(one.key):
+                with random_stream(one.key):
                     one.spec = Speculation(logits[:, -1:, :], sampling=one.sampler,
                                            max_tokens=one.max_tokens, stops=self.stop_tokens,
                                            processors=one.processors,
@@ -453,7 +359,7 @@ class BatchGenerator:
         tic, seeds = time.perf_counter(), [s.key and s.key.seed for s in batch]
         try:
             for seq in batch:
-                with _random(seq.key):  # the cycle's key: one draw from its own stream
+                with random_stream(seq.key):  # the cycle's key: one draw from its own stream
                     seq.spec.draft(self.model, self.drafter, seq.cache, self.num_draft_tokens,
                                    self.draft_confidence)
             rows = verify_blocks(self.model, [s.spec for s in batch], [s.cache for s in batch])

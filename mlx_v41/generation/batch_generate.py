@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 from ..cache.persistence import copy_cache
-from .batch import BatchGenerator, BatchStats
+from .batch import BatchGenerator
+from .sequence import BatchStats
 
 
 @dataclass

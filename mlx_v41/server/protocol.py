@@ -10,10 +10,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..generation.sequence import MAX_SEED
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat completions
 MAX_COMPLETION_LOGPROBS = 5  # and for completions
 MAX_CHOICES = 16  # most choices (`n`) per request: each is a sequence of the batch
-MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
 class RequestError(ValueError):

@@ -10,7 +10,6 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..cache.layer import LayerCache
 from .compressor import Compressor
@@ -21,6 +20,7 @@ from . import indexer as indexer_mod
 from .selection import Pool, select_rows
 from .stacked_selection import select_stacked
 from .schedule import FULL, LayerRole
+from .stacked import in_order, split_rows, stack, take_rows
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
 from ..kernels.act_fp8 import ACT_FP8
@@ -156,13 +156,13 @@ class Attention(nn.Module):
         parts = []
         if stacked:
             parts.append(self._attend_stacked(
-                *(_rows(a, stacked) for a in (x, kv_products, q, qr, qr_fp8)),
+                *(take_rows(a, stacked) for a in (x, kv_products, q, qr, qr_fp8)),
                 [ctx.states[b] for b in stacked], [caches[b] for b in stacked], ctx))
         alone = [b for b in range(len(caches)) if b not in set(stacked)]
         parts += [self._attend(x[b:b + 1], kv_products[b:b + 1], q[b:b + 1], qr[b:b + 1],
                                qr_fp8[b:b + 1], ctx.states[b], caches[b], n_out)
                   for b in alone]
-        return _in_order(parts, stacked + alone)
+        return in_order(parts, stacked + alone)
 
     def _stackable(self, ctx: BatchState, caches: list, n_in: int, n_out: int) -> list:
         """The sequences `_attend_stacked` takes: every row a query, a ring holding the
@@ -194,11 +194,11 @@ class Attention(nn.Module):
         q = rope_products(q, self.rope, starts)
         outs, order = [], []
         for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
-            outs.append(gathered_attention_ops(_rows(q, members), _rows(window, members),
+            outs.append(gathered_attention_ops(take_rows(q, members), take_rows(window, members),
                                                picked, self.sinks, self.head_dim ** -0.5,
                                                self.window))
             order += members
-        out = _in_order(outs, order)
+        out = in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)
 
     def _compress_stacked(self, x: mx.array, states: list) -> None:
@@ -215,15 +215,15 @@ class Attention(nn.Module):
             return
         if len(widths) > 1 or (ratio > 1 and widths != {1}):
             for members, latents, firsts in made:  # as `compress` does
-                for g, rows, first in zip(members, _split(latents), firsts):
+                for g, rows, first in zip(members, split_rows(latents), firsts):
                     group_pos = (first + mx.arange(rows.shape[1])) * ratio
                     stores[g].append(self.rope(rows, group_pos),
                                      self.indexer.keys(rows, group_pos, self.rope))
             return
-        latents = _stack([latents for _, latents, _ in made])
+        latents = stack([latents for _, latents, _ in made])
         starts = tuple(first * ratio for _, _, firsts in made for first in firsts)
-        kv = _split(fp4_pack(self.rope(latents, starts), "kv"))
-        index = _split(fp4_pack(self.indexer.keys(latents, starts, self.rope), "index"))
+        kv = split_rows(fp4_pack(self.rope(latents, starts), "kv"))
+        index = split_rows(fp4_pack(self.indexer.keys(latents, starts, self.rope), "index"))
         order = [g for members, _, _ in made for g in members]
         for g, rows, keys in zip(order, kv, index):
             stores[g].append_packed(rows, keys)
@@ -248,7 +248,7 @@ class Attention(nn.Module):
                 groups.setdefault(width, []).append(
                     (g, gather_selected(store.packed_rows(), picks) if width else None))
             ctx.selected[key] = [([g for g, _ in group], None if width == 0 else tuple(
-                _stack([picked[i] for _, picked in group]) for i in range(2)))
+                stack([picked[i] for _, picked in group]) for i in range(2)))
                 for width, group in groups.items()]
         return ctx.selected[key]
 
@@ -368,25 +368,8 @@ STACKED_OPS = (NORM, ACT_FP8, WINDOW_ROWS, SWA_RING_UPDATE, ROPE_PRODUCTS, SPARS
                FP4_PACK, INDEX_QUERIES)
 
 
-def _rows(a: mx.array, members: list) -> mx.array:
-    """Rows `members` of axis 0 (all of them in order: `a` itself)."""
-    if members == list(range(a.shape[0])):
-        return a
-    return mx.take(a, mx.array(members), axis=0)
 
 
-def _stack(parts: list) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-
-
-def _split(a: mx.array) -> list:
-    """The rows [1, ...] of axis 0."""
-    return mx.split(a, a.shape[0]) if a.shape[0] > 1 else [a]
-
-
-def _in_order(parts: list, order: list) -> mx.array:
-    """The rows of `parts` (stacked along axis 0) hold sequences `order`: back in order."""
-    return _rows(_stack(parts), [int(i) for i in np.argsort(order)])
 
 
 class _Split:
@@ -398,7 +381,7 @@ class _Split:
     def _part(self, i: int, g: int) -> mx.array:
         if i not in self._parts:
             a = self._arrays[i]
-            self._parts[i] = mx.split(a, a.shape[0]) if a.shape[0] > 1 else [a]
+            self._parts[i] = split_rows(a)
         return self._parts[i][g]
 
     def x(self, g):
@@ -413,6 +396,5 @@ class _Split:
 
 def _wrote_rows(rings: list, stacked: mx.array, starts: tuple, length: int) -> None:
     """Hand each ring its row of the stacked ring after writing `length` rows at its start."""
-    rows = mx.split(stacked, len(rings)) if len(rings) > 1 else [stacked]
-    for ring, row, start in zip(rings, rows, starts):
+    for ring, row, start in zip(rings, split_rows(stacked), starts):
         ring.took(row, start, length)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.layer import CompressedKV
+from .stacked import split_rows, stack, take_rows
 from .layers import Linear, RMSNorm
 
 
@@ -54,18 +55,20 @@ class Compressor(nn.Module):
         for g, store in enumerate(stores):
             phases.setdefault(0 if store.pending is None else store.pending[0].shape[1],
                               []).append(g)
-        return [self._pool_phase(members, _take(k, members), _take(s, members), stores, starts)
+        return [self._pool_phase(members, take_rows(k, members), take_rows(s, members), stores,
+                                 starts)
                 for members in phases.values()]
 
     def _pool_phase(self, members: list, k: mx.array, s: mx.array, stores: list,
                     starts: tuple) -> tuple:
         """The groups of `members` (each with an open group of the same length)."""
         if stores[members[0]].pending is not None:
-            k = mx.concatenate([_stack([stores[g].pending[0] for g in members]), k], axis=1)
-            s = mx.concatenate([_stack([stores[g].pending[1] for g in members]), s], axis=1)
+            k = mx.concatenate([stack([stores[g].pending[0] for g in members]), k], axis=1)
+            s = mx.concatenate([stack([stores[g].pending[1] for g in members]), s], axis=1)
         groups = k.shape[1] // self.ratio
         tail = k.shape[1] - groups * self.ratio
-        opened = zip(_split(k[:, -tail:]), _split(s[:, -tail:])) if tail else [None] * len(members)
+        opened = zip(split_rows(k[:, -tail:]), split_rows(s[:, -tail:])) if tail \
+            else [None] * len(members)
         for g, pending in zip(members, opened):
             stores[g].pending = pending
         batch, _, dim = k.shape
@@ -88,21 +91,7 @@ def _remember_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> 
             store.remember_inputs(k[g:g + 1], s[g:g + 1], starts[g])
         return
     slots = (mx.array(starts)[:, None] + mx.arange(length)) % history
-    rows = mx.put_along_axis(_stack(rings), slots.reshape(batch, length, 1, 1),
+    rows = mx.put_along_axis(stack(rings), slots.reshape(batch, length, 1, 1),
                              mx.stack([k, s], axis=2), axis=1)
-    for store, row in zip(stores, _split(rows)):
+    for store, row in zip(stores, split_rows(rows)):
         store.took_inputs(row)
-
-
-def _take(a: mx.array, members: list) -> mx.array:
-    if members == list(range(a.shape[0])):
-        return a
-    return mx.take(a, mx.array(members), axis=0)
-
-
-def _stack(parts: list) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-
-
-def _split(a: mx.array) -> list:
-    return mx.split(a, a.shape[0]) if a.shape[0] > 1 else [a]

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..cache.layer import ENGRAM_KEPT
 from .layers import QuantLinear
+from .stacked import split_rows
 from ..numerics.quant import e4m3_to_float, e8m0_to_float
 from ..errors import CheckpointError
 
@@ -168,11 +169,16 @@ def engram_rows(hasher, layers: list, ids: mx.array, cache: list,
                          f"{seen.shape[0]}")
     seen = mx.array(seen) if seen.shape[1] else mx.zeros((batch, 0), mx.int32)
     rows, compressed = hasher.hash_lazy(ids, seen, image_mask)
-    # Only the recent ids are kept: a full history would be copied on every token.
+    _keep_history(cache, layers, seen, compressed)
+    return rows
+
+
+def _keep_history(cache: list, layers: list, seen: mx.array, compressed: mx.array) -> None:
+    """The chunk's compressed ids join the history of every Engram layer. Only the recent ids
+    are kept: a full history would be copied on every token."""
     kept = mx.concatenate([seen, compressed], axis=1)[:, -ENGRAM_KEPT:]
     for layer in layers:
         cache[layer].engram_ids = kept
-    return rows
 
 
 def engram_rows_stacked(hasher, layers: list, ids: mx.array,
@@ -188,10 +194,8 @@ def engram_rows_stacked(hasher, layers: list, ids: mx.array,
         return _rows_one_by_one(hasher, layers, ids, caches)
     seen = [s if isinstance(s, mx.array) else mx.array(s) for s in seen]
     rows, compressed = hasher.hash_lazy(ids, mx.concatenate([s[:, -depth:] for s in seen]))
-    for cache, history, new in zip(caches, seen, mx.split(compressed, len(caches))):
-        kept = mx.concatenate([history, new], axis=1)[:, -ENGRAM_KEPT:]
-        for layer in layers:
-            cache[layer].engram_ids = kept
+    for cache, history, new in zip(caches, seen, split_rows(compressed)):
+        _keep_history(cache, layers, history, new)
     return rows
 
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .indexer import NEG_INF, sort_key
+from .stacked import split_rows
 from .selection import Pool, Selection, _membership, _merge, finish
 from ..numerics.quant import unpack_fp4_e8m0
 
@@ -45,10 +46,10 @@ def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: list, starts: tupl
         given = mx.concatenate([_padded(m, blocks, axis=2) for m in pool.member], axis=0)
         scores = mx.where(mx.repeat(given, pool.block, axis=-1)[..., :total], scores, NEG_INF)
     rows = finish(_merge(None, sort_key(scores, 0), topk), total)
-    rows = mx.split(rows, len(counts)) if len(counts) > 1 else [rows]
+    rows = split_rows(rows)
     members = [None] * len(counts)
     if member is not None:
-        members = mx.split(member, len(counts)) if len(counts) > 1 else [member]
+        members = split_rows(member)
         members = [m[..., :-(-count // pool.block)] for m, count in zip(members, counts)]
     return [Selection(r[..., :min(topk, count)], m)
             for r, m, count in zip(rows, members, counts)]

@@ -25,6 +25,7 @@ import mlx.core as mx
 from ..generation.api import DEFAULT_PREFILL_STEP_SIZE, wired_limit
 from ..generation.batch import BatchGenerator
 from ..model.memory import session_bytes
+from ..model.vision.prompt import ImagePrompt
 from .engine import Engine, Finish, Job, StopStrings, Token
 from .prompt_store import align_to_tokens
 from .protocol import RequestError
@@ -99,12 +100,11 @@ class BatchEngine(Engine):
         self.steps = 0  # batch steps run
         self.peak_batch = 0  # most requests in the batch at once
 
-    def reserve(self, job: Job) -> int:
+    def reserve(self, prompt_tokens: int, max_tokens: int) -> int:
         """Bytes a request's cache may reach: its prompt, every token it may generate and,
         decoding speculatively, the drafts a verify holds before they are trimmed."""
         drafts = self.draft.get("num_draft_tokens", 0) if self.draft else 0
-        return session_bytes(self.model.cfg,
-                             len(job.prompt.ids) + job.settings.max_tokens + drafts,
+        return session_bytes(self.model.cfg, prompt_tokens + max_tokens + drafts,
                              self.model.drafting)
 
     def submit_many(self, prompt, settings: list) -> list:
@@ -115,29 +115,19 @@ class BatchEngine(Engine):
         return jobs
 
     def submit(self, prompt, settings) -> Job:
-        job = super().submit(prompt, settings)
-        need = self.reserve(job)
+        length = len(prompt.ids if isinstance(prompt, ImagePrompt) else prompt)
+        need = self.reserve(length, settings.max_tokens)
         if need > self.kv_budget:  # it could never run: refuse it rather than queue it
-            with self._jobs_lock:
-                self._jobs.discard(job)
-            job.cancel()
             raise RequestError(f"the request's cache would take {need:,} bytes (its prompt and "
                                f"max_tokens), more than the server's KV budget of "
                                f"{self.kv_budget:,} bytes (--kv-budget)", param="max_tokens",
                                code="context_length_exceeded")
-        return job
+        return super().submit(prompt, settings)
 
     # ------------------------------------------------------------------ worker thread
 
     def _work(self) -> None:
-        try:
-            loaded = self.store.load_folder()
-            if loaded:
-                log.info("loaded %d prompt caches from %s", loaded, self.store.folder)
-        except Exception:
-            log.exception("prompt caches not loaded from %s", self.store.folder)
-        finally:
-            self._ready.set()
+        self._load_store()
         stopping = False
         with wired_limit(self.model):
             while not stopping or self.running or self.waiting:
@@ -156,10 +146,7 @@ class BatchEngine(Engine):
                         self._fail_running(e)
                 if not self.running and not self.waiting:
                     self._flush()  # new prompt caches go to disk while the batch is idle
-        self._stopped()
-        self._flush()
-        mx.synchronize()
-        mx.clear_streams()
+        self._end_worker()
 
     def _take(self, block: bool) -> bool:
         """Move submitted jobs to `waiting`; True once `close` asked the worker to stop."""
@@ -190,7 +177,8 @@ class BatchEngine(Engine):
         while self.waiting and len(self.running) < self.generator.completion_batch_size:
             job = self.waiting[0]
             siblings = [s for s in job.siblings if s in self.waiting]
-            need = self.reserve(job) * (1 + len(siblings))
+            need = self.reserve(len(job.prompt.ids), job.settings.max_tokens) * \
+                (1 + len(siblings))
             if held + need > self.kv_budget and self.running:
                 return  # it waits for memory (in order: no overtaking)
             self.waiting.popleft()

@@ -217,6 +217,14 @@ class Engine:
     # ------------------------------------------------------------------ worker thread
 
     def _work(self) -> None:
+        self._load_store()
+        while (job := self._queue.get()) is not None:
+            self._serve(job)
+        self._end_worker()
+
+    def _load_store(self) -> None:
+        """The worker's first step: load the persisted prompt caches, then let `start`
+        return."""
         try:
             loaded = self.store.load_folder()
             if loaded:
@@ -225,12 +233,13 @@ class Engine:
             log.exception("prompt caches not loaded from %s", self.store.folder)
         finally:
             self._ready.set()
-        while (job := self._queue.get()) is not None:
-            self._serve(job)
+
+    def _end_worker(self) -> None:
+        """The worker's last step: tell the others (`_stopped`), write new cache entries, and
+        end this thread's MLX streams with it (MLX aborts at exit on streams of a thread that
+        is gone)."""
         self._stopped()
         self._flush()
-        # This thread's MLX streams end with it (MLX aborts at exit on streams of a thread
-        # that is gone).
         mx.synchronize()
         mx.clear_streams()
 

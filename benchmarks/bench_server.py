@@ -40,11 +40,10 @@ QUESTIONS = ["What does the parser do?", "Where is the cache trimmed?", "Add a t
 
 
 class Server:
-    """The app on a free loopback port, served by uvicorn in a thread."""
+    """`create_app(engine)` on a free loopback port, served by uvicorn in a thread."""
 
-    def __init__(self, model, tokenizer, cache_bytes: int):
-        engine = Engine(model, tokenizer, PromptCacheStore(model, cache_bytes))
-        self.store = engine.store
+    def __init__(self, engine):
+        self.engine, self.store = engine, engine.store
         app = create_app(engine, ServerConfig(model_id="bench", thinking=False))
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
@@ -54,9 +53,9 @@ class Server:
         self.thread.start()
         while not self.server.started:
             time.sleep(0.02)
-        port = self.socket.getsockname()[1]
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                    max_retries=0, timeout=600)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/v1"
+        self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0,
+                                    timeout=900)
 
     def close(self):
         self.server.should_exit = True
@@ -112,8 +111,9 @@ def main():
     args = parser.parse_args()
     model, tokenizer = mlx_v41.load(args.model)
     system = (INSTRUCTIONS * (args.system_chars // len(INSTRUCTIONS) + 1))[:args.system_chars]
-    servers = {"no cache": Server(model, tokenizer, 0),
-               "prompt cache": Server(model, tokenizer, 4 * 10**9)}
+    servers = {"no cache": Server(Engine(model, tokenizer, PromptCacheStore(model, 0))),
+               "prompt cache": Server(Engine(model, tokenizer,
+                                             PromptCacheStore(model, 4 * 10**9)))}
     conversation(servers["no cache"], system, 1, 1)  # warm-up (not timed)
     rows = {name: [] for name in servers}
     for _ in range(args.repeats):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import sys
 import threading
 import time
@@ -35,12 +34,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout too
-import openai  # noqa: E402
-import uvicorn  # noqa: E402
 
 import mlx_v41  # noqa: E402
-from mlx_v41.server import Engine, PromptCacheStore, ServerConfig, create_app  # noqa: E402
+from mlx_v41.server import Engine, PromptCacheStore  # noqa: E402
 from mlx_v41.server.batch_engine import BatchEngine  # noqa: E402
+from bench_server import Server  # noqa: E402  (this folder: the script's own)
 
 CHECKPOINT = ROOT / "tests/data/goldens/tiny/hf"
 FILLER = ("The parser reads the file line by line, keeps a stack of open blocks and reports the "
@@ -62,35 +60,19 @@ class Reply:
     cached: int = 0
 
 
-class Server:
-    """The app over a batching or serial engine, on a free loopback port (uvicorn in a thread)."""
+def make_server(model, tokenizer, batched: bool, step: int, max_concurrent: int) -> Server:
+    """A batching or serial engine's app (bench_server.py's `Server`), without prompt reuse:
+    every request prefills its prompt."""
+    store = PromptCacheStore(model, 0)
+    options = {"prefill_step_size": step, "max_concurrent": max_concurrent}
+    engine = BatchEngine(model, tokenizer, store, **options) if batched \
+        else Engine(model, tokenizer, store, **options)
+    return Server(engine)
 
-    def __init__(self, model, tokenizer, batched: bool, step: int, max_concurrent: int):
-        store = PromptCacheStore(model, 0)  # no reuse: every request prefills its prompt
-        options = {"prefill_step_size": step, "max_concurrent": max_concurrent}
-        self.engine = BatchEngine(model, tokenizer, store, **options) if batched \
-            else Engine(model, tokenizer, store, **options)
-        app = create_app(self.engine, ServerConfig(model_id="bench", thinking=False))
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True,
-                                       kwargs={"sockets": [self.socket]})
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/v1"
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=900)
-
-    def wait_idle(self) -> None:
-        while self.engine.in_flight:
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join()
+def wait_idle(server: Server) -> None:
+    while server.engine.in_flight:
+        time.sleep(0.05)
 
 
 def stream(client, content: str, reply_tokens: int) -> Reply:
@@ -141,7 +123,7 @@ def run_load(server: Server, prompts: list, reply_tokens: int) -> tuple:
     replies, start = {}, threading.Barrier(len(prompts) + 1)
 
     def client_loop(c: int):
-        client = server.client()
+        client = server.client
         start.wait()
         for k, text in enumerate(prompts[c]):
             replies[c, k] = stream(client, text, reply_tokens)
@@ -154,7 +136,7 @@ def run_load(server: Server, prompts: list, reply_tokens: int) -> tuple:
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - tic
-    server.wait_idle()
+    wait_idle(server)
     return wall, replies
 
 
@@ -163,14 +145,14 @@ def run_short_behind_long(server: Server, long: str, short: str, reply_tokens: i
     """(long Reply, short Reply): the short request sent `delay` s after the long one is held."""
     out = {}
     thread = threading.Thread(target=lambda: out.update(
-        long=stream(server.client(), long, reply_tokens)))
+        long=stream(server.client, long, reply_tokens)))
     thread.start()
     while not server.engine.in_flight and thread.is_alive():
         time.sleep(0.005)
     time.sleep(delay)
-    out["short"] = stream(server.client(), short, reply_tokens)
+    out["short"] = stream(server.client, short, reply_tokens)
     thread.join()
-    server.wait_idle()
+    wait_idle(server)
     return out["long"], out["short"]
 
 
@@ -254,7 +236,7 @@ def parse_args():
 def main():
     args = parse_args()
     model, tokenizer = mlx_v41.load(args.model, dspark=False)  # as mlx_v41.server loads it
-    servers = {name: Server(model, tokenizer, name == "batched", args.prefill_step_size,
+    servers = {name: make_server(model, tokenizer, name == "batched", args.prefill_step_size,
                             max(64, 2 * args.clients)) for name in NAMES}
     prompts = client_prompts(tokenizer, args)
     long = prompt_text(tokenizer, "long", args.long_tokens)

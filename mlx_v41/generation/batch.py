@@ -307,11 +307,8 @@ class BatchGenerator:
         for processor in seq.processors:
             logits = processor(seq.history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if seq.key is None:
+        with random_stream(seq.key):
             token = seq.sampler(logprobs)
-        else:
-            with seq.key.active():
-                token = seq.sampler(logprobs)
         if seq.processors:
             seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
         seq.token, seq.logprobs = token, logprobs[0]
@@ -353,7 +350,7 @@ class BatchGenerator:
         """One speculative cycle of every decoding sequence: each drafts after its pending
         token, one verify forward runs all the blocks, each keeps what it accepts."""
         batch = [s for s in self.decoding if s.spec is not None]
-        responses = [self._finish(s) for s in self.decoding if s.spec is None]
+        responses = [self._finish(s) for s in [s for s in self.decoding if s.spec is None]]
         if not batch:
             return responses
         tic, seeds = time.perf_counter(), [s.key and s.key.seed for s in batch]

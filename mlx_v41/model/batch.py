@@ -20,7 +20,8 @@ from typing import Sequence
 from ..cache.layer import commit, transaction
 from ..kernels.context import using
 from .engram import engram_rows_stacked
-from .prefill import ModelOutput, _as_ids, write_draft_rings
+from .prefill import ModelOutput, _as_ids, draft_ring_rows
+from .stacked import split_rows
 from .shared import BatchState, ForwardState, Taps, shared_state
 
 
@@ -54,10 +55,12 @@ def batch_forward(model, ids, caches: Sequence[list]) -> ModelOutput:
         streams, pre = text.encoder_stack(streams, pre, state, by_layer)
         hidden = text.decoder_stack(streams, pre, state, by_layer)
         logits = model.head(hidden, False)
-        for b, (cache, seq) in enumerate(zip(caches, states)):
-            if drafting:
-                write_draft_rings(model, cache, {k: v[b:b + 1] for k, v in taps.rows.items()},
-                                  seq.end)
+        if drafting:  # the drafter's rows of every sequence at once, each ring its own
+            main_x = draft_ring_rows(model, taps.rows)
+            for cache, seq, rows in zip(caches, states, split_rows(main_x)):
+                model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], rows,
+                                         seq.end - rows.shape[1])
+        for cache, seq in zip(caches, states):
             commit(cache, seq.end)
     return ModelOutput(logits, dict(taps.rows))
 
@@ -70,7 +73,7 @@ def _check(model, ids, caches: list) -> None:
                          "sequence)")
     if length == 0:
         raise ValueError("ids are empty: a forward needs at least one token per sequence")
-    layers = len(model.make_cache()) if caches else 0
+    layers = model.cache_length
     seen = set()
     for b, cache in enumerate(caches):
         if not isinstance(cache, list) or len(cache) != layers:

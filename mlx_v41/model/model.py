@@ -244,10 +244,15 @@ class Model(nn.Module):
         cache = [LayerCache(cfg.sliding_window, role.ratio, role.mode == "full",
                             role.engram_index is not None)
                  for role in self.roles[:cfg.num_hidden_layers]]
-        stages = len(self.dspark.stages) if "dspark" in self else 0
+        stages = self.cache_length - cfg.num_hidden_layers
         # A draft attends the `sliding_window` positions before the block (the backbone's
         # window holds one fewer before its query), hence the one-row-wider ring.
         return cache + [LayerCache(cfg.sliding_window + 1) for _ in range(stages)]
+
+    @property
+    def cache_length(self) -> int:
+        """Layers of a `make_cache()` list: the backbone's, then the drafter's stages."""
+        return self.cfg.num_hidden_layers + (len(self.dspark.stages) if "dspark" in self else 0)
 
     def __call__(self, ids, cache: Optional[list] = None, last_only: bool = False,
                  capture: Optional[dict] = None,

@@ -109,10 +109,17 @@ def _run_steps(run, chunks: list, mode: str, last_only: bool, taps: tuple, end: 
 def write_draft_rings(model, cache: list, taps: dict, end: int) -> None:
     """The DSpark stages' ring rows of the positions every target tap covers (the call's last
     rows), from their `main_x`: what a later draft pass attends."""
+    main_x = draft_ring_rows(model, taps)
+    model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], main_x,
+                             end - main_x.shape[1])
+
+
+def draft_ring_rows(model, taps: dict) -> mx.array:
+    """The drafter's `main_x` [B, rows, D] of the positions every target tap covers (the
+    call's last rows): what `write_draft_rings` stores."""
     layers = model.cfg.dspark_target_layer_ids
     rows = min(taps[layer].shape[1] for layer in layers)
-    main_x = model.dspark.main_x([taps[layer][:, -rows:] for layer in layers])
-    model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], main_x, end - rows)
+    return model.dspark.main_x([taps[layer][:, -rows:] for layer in layers])
 
 
 @dataclass

@@ -214,11 +214,9 @@ class Attention(nn.Module):
         if not made:
             return
         if len(widths) > 1 or (ratio > 1 and widths != {1}):
-            for members, latents, firsts in made:  # as `compress` does
+            for members, latents, firsts in made:  # one by one, as `compress` does
                 for g, rows, first in zip(members, split_rows(latents), firsts):
-                    group_pos = (first + mx.arange(rows.shape[1])) * ratio
-                    stores[g].append(self.rope(rows, group_pos),
-                                     self.indexer.keys(rows, group_pos, self.rope))
+                    self._append(stores[g], rows, first)
             return
         latents = stack([latents for _, latents, _ in made])
         starts = tuple(first * ratio for _, _, firsts in made for first in firsts)
@@ -355,12 +353,15 @@ class Attention(nn.Module):
         """Append the owner's global rows for the call's positions (x covers all of them)."""
         store = ctx.shared[self.role.layer].store
         latents, first = self.compressor(x, store, ctx.start)
-        if latents.shape[1] == 0:
-            return
+        if latents.shape[1]:
+            self._append(store, latents, first)
+
+    def _append(self, store, latents: mx.array, first: int) -> None:
+        """Store new compressed rows (groups from `first` on) with their index keys, both
+        RoPE'd at their groups' positions."""
         group_pos = (first + mx.arange(latents.shape[1])) * self.role.ratio
         index_rows = self.indexer.keys(latents, group_pos, self.rope)
         store.append(self.rope(latents, group_pos), index_rows)
-
 
 
 # The dispatchers `_attend_stacked` runs as ops over stacked rows (`runs_ops`).

@@ -164,3 +164,24 @@ def get(port: int, path: str) -> tuple:
     status, raw = response.status, response.read()
     conn.close()
     return status, json.loads(raw)
+
+
+def one_past_the_bound(live: LiveServer, path: str, body) -> tuple:
+    """Fill the engine's request bound with `body` requests held in its queue (the worker is
+    kept from running), send one more, then let them run: ((status, body) of the one past the
+    bound, the held requests' statuses)."""
+    results = []
+
+    def one():
+        results.append(post(live.port, path, body))
+
+    with live.engine.lock:  # nothing runs: requests pile up in the queue
+        threads = [threading.Thread(target=one) for _ in range(live.engine.max_concurrent)]
+        for t in threads:
+            t.start()
+        while live.engine.in_flight < live.engine.max_concurrent:
+            threading.Event().wait(0.01)
+        extra = post(live.port, path, body)
+    for t in threads:
+        t.join()
+    return extra, sorted(status for status, _ in results)

@@ -23,7 +23,7 @@ from mlx_v41.generation.api import prefill
 from mlx_v41.generation.prompt_reuse import PromptCache
 from mlx_v41.server.prompt_store import PromptCacheStore
 from conftest import golden_checkpoint, with_context, writable_copy
-from server_harness import MODEL_ID, Forcing, LiveServer, post, tiny
+from server_harness import MODEL_ID, Forcing, LiveServer, forcing_server, post, tiny
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
@@ -35,10 +35,7 @@ SHORT_CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def live():
-    model, tokenizer = tiny()
-    server = LiveServer(model, tokenizer, hook=Forcing(tokenizer))
-    yield server
-    server.close()
+    yield from forcing_server(*tiny())
 
 
 def new_turn_tokens(text: str, header: str) -> list:

@@ -25,7 +25,8 @@ from mlx_v41.generation.prompt_reuse import PromptCache
 from mlx_v41.model.config import VisionConfig
 from mlx_v41.server.engine import StopStrings
 from mlx_v41.server.images import ImageReader
-from mlx_v41.server.messages import allows_tool_calls, chat_messages, thinking_mode
+from mlx_v41.server.messages import (allows_tool_calls, chat_messages, thinking_mode,
+                                     tool_choice)
 from mlx_v41.server.prompt_store import PromptCacheStore, align_to_tokens
 from mlx_v41.server.protocol import ChatCompletionRequest, RequestError, parse_body
 from mlx_v41.server.reply_parser import Reply, ReplyParser, parse_reply
@@ -165,7 +166,10 @@ def test_messages_map_to_the_chat_format():
 def test_tool_choice_and_unsupported_parts():
     assert allows_tool_calls(chat_request()) and not allows_tool_calls(
         chat_request(tool_choice="none"))
-    with pytest.raises(RequestError, match="only 'auto' and 'none'"):
+    assert tool_choice(chat_request(tool_choice="required")) == ("required", None)
+    assert tool_choice(chat_request(tool_choice={"type": "function", "function": {
+        "name": "f"}})) == ("required", "f")
+    with pytest.raises(RequestError, match="tool_choice must be 'auto', 'none', 'required'"):
         allows_tool_calls(chat_request(tool_choice={"type": "function"}))
     with pytest.raises(RequestError, match=r"messages\[0\].content\[0\]: content part type "
                                            r"'input_audio'"):

@@ -20,7 +20,8 @@ from typing import Optional
 from .args import ArgumentParser, _number, add_model_arguments
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..server.images import DEFAULT_MAX_IMAGE_BYTES
-from ..server.routes import DEFAULT_MAX_TOKENS
+from ..server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from ..server.serving import DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
 DEFAULT_PROMPT_CACHE_BYTES = "4G"
@@ -99,6 +100,10 @@ def setup_arg_parser() -> ArgumentParser:
     add("--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
         help="decoded bytes of one image part at most; larger ones get HTTP 400 "
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
+    add("--max-stored-responses", type=_number(int, 0, what="a non-negative integer"),
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="Responses API responses kept for previous_response_id and GET, least recently "
+             f"used dropped first (default {DEFAULT_MAX_STORED_RESPONSES}; 0 keeps none)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default INFO; across ranks, DEBUG has every rank log its "
              "requests)")
@@ -146,7 +151,9 @@ def build_app(args):
                           system_prompt=args.system_prompt,
                           max_image_bytes=args.max_image_bytes,
                           max_prompt_tokens=args.max_prompt_tokens)
-    return create_app(engine, config)
+    app = create_app(engine, config)
+    app.state.responses = ResponseStore(args.max_stored_responses)
+    return app
 
 
 def main(argv: Optional[list] = None) -> int:

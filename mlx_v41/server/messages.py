@@ -8,7 +8,8 @@ from typing import Optional
 
 from ..chat import format as cf
 from .images import IMAGE_PART_TYPES, ImageReader
-from .protocol import ChatCompletionRequest, ChatMessage, RequestError
+from .constraints import constraint_fields
+from .protocol import ChatCompletionRequest, ChatMessage, RequestError, answer_format
 
 # OpenAI's reasoning_effort names on V4.1's scale; V4.1's own (low, high, max, 1-100) pass.
 OPENAI_EFFORTS = {"minimal": "low", "medium": "high", "xhigh": "max"}
@@ -63,6 +64,17 @@ def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] =
     return out
 
 
+def with_response_format(messages: list, response_format: Optional[dict]) -> list:
+    """`messages` with a JSON `response_format` on the system message, where the chat format
+    renders it (the official encoding tells the model the schema; the grammar enforces it);
+    a conversation without a system message gets an empty one."""
+    if not response_format or response_format.get("type") == "text":
+        return messages
+    if not messages or messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": ""}] + messages
+    return [dict(messages[0], response_format=response_format)] + messages[1:]
+
+
 def thinking_mode(request: ChatCompletionRequest, default_thinking: bool, default_effort):
     """(thinking, reasoning_effort) from `chat_template_kwargs.thinking` (or
     `enable_thinking`) and `reasoning_effort`; "none" is chat mode, an effort alone turns
@@ -87,12 +99,36 @@ def thinking_mode(request: ChatCompletionRequest, default_thinking: bool, defaul
 
 
 def allows_tool_calls(request: ChatCompletionRequest) -> bool:
-    """Whether a DSML block may be generated: `tool_choice` "auto" (the default) or "none"
-    (the tools stay in the prompt, so its cache is the same; the DSML token is masked)."""
+    """Whether a DSML block may be generated: every `tool_choice` but "none" (which keeps
+    the tools in the prompt, so its cache is the same, and masks the DSML token)."""
+    return tool_choice(request)[0] != "none"
+
+
+def tool_choice(request: ChatCompletionRequest) -> tuple:
+    """(calls, named): "auto" / "none" / "required" and the forced function's name (or None)
+    from OpenAI's `tool_choice`."""
     choice = request.tool_choice
-    if choice in (None, "auto"):
-        return True
-    if choice == "none":
-        return False
-    raise RequestError(f"tool_choice {choice!r} is not supported (only 'auto' and 'none')",
-                       param="tool_choice")
+    if choice is None:
+        return "auto", None
+    if choice in ("auto", "none", "required"):
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(name, str)):
+        raise RequestError(f"tool_choice must be 'auto', 'none', 'required' or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
+                           f"{choice!r}", param="tool_choice")
+    return "required", name
+
+
+def request_constraint(request: ChatCompletionRequest, tokenizer, thinking: bool):
+    """The constraint fields of a chat completion (`constraints.constraint_fields`): forced
+    calls from `tool_choice`, the answer from `response_format`."""
+    calls, named = tool_choice(request)
+    tools = [tool.function.model_dump(exclude_none=True) for tool in request.tools or ()]
+    return constraint_fields(tokenizer, tools=tools, calls=calls, named=named,
+                             answer=answer_format(request.response_format), thinking=thinking,
+                             parallel=request.parallel_tool_calls,
+                             params={"tools": "tools", "tool_choice": "tool_choice",
+                                     "format": "response_format"})

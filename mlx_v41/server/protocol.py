@@ -107,6 +107,7 @@ class ChatCompletionRequest(_Generation):
     reasoning_effort: Union[str, int, None] = None
     chat_template_kwargs: Optional[dict] = None
     response_format: Optional[dict] = None
+    parallel_tool_calls: bool = True
 
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
@@ -145,12 +146,12 @@ def parse_body(model_class, body):
         error = e.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "body"
         raise RequestError(f"{where}: {error['msg']}", param=where) from None
-    _check_text(request.model_dump(exclude_none=True), "")
+    check_text(request.model_dump(exclude_none=True), "")
     _check_unsupported(request)
     return request
 
 
-def _check_text(value, where: str) -> None:
+def check_text(value, where: str) -> None:
     """Refuse a string (or key) holding a lone surrogate, which JSON's "\\ud800" escapes
     allow but UTF-8 cannot carry; `where` names it as a validation error's location would."""
     if isinstance(value, str):
@@ -158,10 +159,10 @@ def _check_text(value, where: str) -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_string(key, where, "a key's ")
-            _check_text(item, f"{where}.{key}" if where else key)
+            check_text(item, f"{where}.{key}" if where else key)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _check_text(item, f"{where}.{i}")
+            check_text(item, f"{where}.{i}")
 
 
 def _check_string(text: str, where: str, what: str) -> None:
@@ -181,6 +182,27 @@ def _check_unsupported(request) -> None:
         if request.echo or request.suffix or (request.best_of or 1) > 1:
             raise RequestError("echo, suffix and best_of are not supported", param="prompt")
         return
-    if request.response_format and request.response_format.get("type") != "text":
-        raise RequestError("response_format other than 'text' is not supported (no "
-                           "constrained decoding yet)", param="response_format")
+    answer_format(request.response_format)
+
+
+def answer_format(response_format: Optional[dict], param: str = "response_format"):
+    """What `response_format` asks of the answer: None (text), "json_object" or the JSON
+    schema of `json_schema` (OpenAI's shapes; Responses' `text.format` is the same flattened:
+    its name, schema and strict sit beside the type)."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object"
+    if kind != "json_schema":
+        raise RequestError(f"{param}.type must be 'text', 'json_object' or 'json_schema', got "
+                           f"{kind!r}", param=f"{param}.type")
+    spec = response_format.get("json_schema", response_format)
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        where = f"{param}.json_schema.schema" if "json_schema" in response_format else \
+            f"{param}.schema"
+        raise RequestError(f"{where} must be a JSON schema object", param=where)
+    return schema

@@ -1,0 +1,160 @@
+"""The grammars of a constrained V4.1 reply, in llguidance's Lark dialect: a JSON answer under a
+schema, a DSML tool-call block whose invokes name the request's tools and whose parameters
+follow each tool's JSON schema, or either one.
+
+Each grammar writes what `format.render_tool_calls` renders for the same calls (parameters in
+the schema's order, one per line; a string parameter as raw text with string="true", any other
+value as JSON with `json.dumps`' separators), so the next turn's prompt repeats the reply token
+for token and its prompt cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional, Union
+
+from . import format as cf
+
+# json.dumps' separators, as the renderer writes non-string parameters; no free whitespace
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_JSON_OBJECT = {"type": "object"}
+_STRING_KEYWORDS = {"type", "enum", "const", "maxLength", "minLength", "pattern", "description",
+                    "title", "default", "examples", "format"}
+
+
+class SchemaError(ValueError):
+    """A schema this module cannot turn into a grammar; `tool` names the tool (None: the
+    answer's schema)."""
+
+    def __init__(self, message: str, tool: Optional[str] = None):
+        super().__init__(message)
+        self.tool = tool
+
+
+def reply_grammar(tokenizer, *, tools: list, forced: bool, may_call: bool,
+                  answer: Union[None, str, dict], parallel: bool = True) -> str:
+    """The grammar of a reply's answer part (after `</think>` in thinking mode).
+
+    Args:
+        tokenizer: the tokenizer, whose special tokens spell the DSML markers.
+        tools: function specs `{"name", "parameters"}` the calls may name.
+        forced: the reply is a call block (of `tools`).
+        may_call: (not forced) the reply is the answer or a call block.
+        answer: "json_object", a JSON schema, or None (only with `forced`).
+        parallel: a call block may hold several calls.
+    """
+    if forced:
+        return "start: calls\n" + _calls(tokenizer, tools, parallel)
+    if answer is None:
+        raise SchemaError("a constrained reply needs an answer format or forced calls")
+    schema = ANY_JSON_OBJECT if answer == "json_object" else answer
+    if not isinstance(schema, dict):
+        raise SchemaError("the answer's schema must be a JSON object")
+    rules = f"answer: %json {_json(schema)}\n"
+    if may_call and tools:
+        return "start: answer | calls\n" + rules + _calls(tokenizer, tools, parallel)
+    return "start: answer\n" + rules
+
+
+def _json(schema: dict) -> str:
+    return json.dumps(dict(schema, **{"x-guidance": JSON_STYLE}), ensure_ascii=False)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _dsml(tokenizer) -> str:
+    token = tokenizer.convert_tokens_to_ids(cf.DSML)
+    if not isinstance(token, int) or tokenizer.convert_ids_to_tokens(token) != cf.DSML:
+        raise SchemaError(f"the tokenizer has no single token for {cf.DSML}, so tool calls "
+                          "cannot be constrained")
+    return f"<[{token}]>"
+
+
+def _calls(tokenizer, tools: list, parallel: bool) -> str:
+    """`calls`: the block `render_tool_calls` writes, with one rule per tool's invoke."""
+    d = _dsml(tokenizer)
+    invokes = [f"invoke_{i}" for i in range(len(tools))]
+    more = ' ("\\n" invoke)*' if parallel else ""
+    # the newline and the closing "</" are two lexemes: as one, the newline before another
+    # invoke's "<" would be lexed as its start and that invoke refused (no backing up)
+    lines = [f'calls: "\\n\\n<" {d} " calls>\\n" invoke{more} "\\n" "</" {d} " calls>"',
+             f"invoke: {' | '.join(invokes)}"]
+    for i, tool in enumerate(tools):
+        lines += _invoke(i, tool, d)
+    return "\n".join(lines) + "\n"
+
+
+def _invoke(i: int, tool: dict, d: str) -> list:
+    """Rules of one tool's invoke: its name, then each parameter and a newline, required ones
+    always, optional ones maybe, in the schema's order."""
+    name, schema = tool["name"], tool.get("parameters") or {}
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise SchemaError(f"tool {name!r}: parameters must be a JSON schema of an object", name)
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    # the name as the renderer writes it (raw, not JSON-escaped)
+    opening = _literal(' invoke name="' + name + '">\n')
+    head = f'invoke_{i}: "<" {d} {opening} '
+    close = f'"</" {d} " invoke>"'
+    lines, parts = [], []
+    for k, (key, value_schema) in enumerate(properties.items()):
+        rule = f"param_{i}_{k}"
+        lines += _parameter(rule, key, value_schema, d, name)
+        parts.append(f'({rule} "\\n")' + ("" if key in required else "?"))
+    if required:
+        params = " ".join(parts)
+    else:
+        # no parameter at all is rendered as an empty line, so an empty body is not one of
+        # the choices: the first parameter present opens each (the later ones are optional)
+        params = "(" + " | ".join([" ".join([parts[k][:-1]] + parts[k + 1:])
+                                   for k in range(len(parts))] + ['"\\n"']) + ")"
+    return [head + params + " " + close] + lines
+
+
+def _parameter(rule: str, key: str, schema, d: str, tool: str) -> list:
+    opening = f'"<" {d} ' + _literal(f' parameter name="{key}" string=')
+    if _is_plain_string(schema):
+        value = _raw_string(rule, schema, tool, key)
+        return [f'{rule}: {opening} "\\"true\\">" {rule.upper()}_TEXT {d} " parameter>"',
+                value]
+    if not isinstance(schema, dict):
+        raise SchemaError(f"tool {tool!r}: parameter {key!r} has no JSON schema", tool)
+    return [f'{rule}: {opening} "\\"false\\">" {rule}_json "</" {d} " parameter>"',
+            f"{rule}_json: %json {_json(schema)}"]
+
+
+def _is_plain_string(schema) -> bool:
+    """A parameter written as raw text: a string type with nothing but string keywords, or
+    an enum (or const) of strings alone."""
+    if not isinstance(schema, dict) or not set(schema) <= _STRING_KEYWORDS:
+        return False
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if "type" not in schema:
+        return choices is not None and all(isinstance(c, str) for c in choices)
+    return schema["type"] == "string"
+
+
+def _raw_string(rule: str, schema: dict, tool: str, key: str) -> str:
+    """A string parameter's text and the `</` after it as one lexeme (so the text itself may
+    hold `</`: only the DSML token ends it)."""
+    terminal = f"{rule.upper()}_TEXT"
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices is not None:
+        if not all(isinstance(c, str) for c in choices):
+            raise SchemaError(f"tool {tool!r}: parameter {key!r}: a string enum holds a "
+                              "non-string", tool)
+        return f"{terminal}: " + " | ".join(_literal(c + "</") for c in choices)
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    length = f"/(.|\\n){{{low},{'' if high is None else high}}}/"
+    if "pattern" in schema:
+        # the pattern and the length bounds both hold: the two regexes' intersection
+        pattern = _regex_body(schema["pattern"].removeprefix("^").removesuffix("$"))
+        return f'{terminal}: (/({pattern})/ & {length}) "</"'
+    return f'{terminal}: {length} "</"'
+
+
+def _regex_body(body: str) -> str:
+    return re.sub(r"(?<!\\)/", r"\\/", body)

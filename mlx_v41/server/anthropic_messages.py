@@ -1,0 +1,276 @@
+"""Anthropic's Messages API: `POST /v1/messages` (streamed as Anthropic's named SSE events or
+not) and `POST /v1/messages/count_tokens`. The request is rendered with V4.1's chat format,
+its reply split by `ReplyParser` into thinking, text and tool_use content blocks; errors come
+back in Anthropic's shape (`error_body`, also used by routes.py's handlers for these paths).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import FastAPI, Request
+
+from ..chat import format as cf
+from ..model.vision.prompt import ImagePrompt
+from . import anthropic_protocol as ap
+from .constraints import constraint_fields
+from .engine import Finish, Settings, Token
+from .images import ImageReader
+from .messages import with_response_format
+from .processors import base_fields
+from .protocol import RequestError
+from .reply_parser import Delta, ReplyParser
+from .serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
+
+log = logging.getLogger("mlx_v41.server")
+
+PATH = "/v1/messages"  # this API's routes (and its error shape) live under it
+# HTTP status -> Anthropic's error type; other 4xx are invalid_request_error, 5xx api_error
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: the sha256 of its text (accepted back, never
+    checked: the server keeps no secret)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+@dataclass
+class Rendered:
+    """A request's prompt and how its reply is read."""
+
+    prompt: ImagePrompt
+    thinking: bool  # the reply opens with reasoning (thinking mode and no prefill)
+    effort: object
+    budget: Optional[int]
+    tools: list  # function specs
+    prefill: bool  # the last message is the assistant's: the reply continues it
+
+
+def add_routes(app: FastAPI) -> None:
+    """Register this API's routes on the app."""
+
+    @app.post(PATH)
+    async def messages(request: Request):
+        body = ap.parse_request(ap.MessagesRequest, await read_json(request))
+        app.state.config.check_model(body.model)
+        rendered = render(app, body)
+        job = _submit(app, body, rendered)
+        reply = _Reply(app, body, rendered, job)
+        if body.stream:
+            return sse_response(reply.events(), [job])
+        return await until_done(request, [job], reply.message())
+
+    @app.post(PATH + "/count_tokens")
+    async def count_tokens(request: Request):
+        body = ap.parse_request(ap.CountTokensRequest, await read_json(request))
+        app.state.config.check_model(body.model)
+        return {"input_tokens": len(render(app, body).prompt.ids)}
+
+
+def render(app: FastAPI, body: ap.CountTokensRequest) -> Rendered:
+    """The request's prompt, rendered as routes.py renders a chat completion's."""
+    config, engine = app.state.config, app.state.engine
+    tokenizer = engine.tokenizer
+    images = ImageReader.for_model(engine.model, config.max_image_bytes, config.max_image_pixels)
+    messages = with_response_format(ap.chat_messages(body, config.system_prompt, images),
+                                    body.output_config and body.output_config.format)
+    thinking, effort, budget = ap.thinking_mode(body, config.thinking, config.reasoning_effort)
+    tools = ap.function_specs(body)
+    if tokenizer.missing_chat_tokens:
+        raise RequestError(f"the tokenizer has no single token for "
+                           f"{tokenizer.missing_chat_tokens[0]}", param="messages")
+    prefill = messages[-1]["role"] == "assistant"
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=[{"type": "function", "function": t} for t in tools] or None,
+            enable_thinking=thinking, reasoning_effort=effort, continue_final_message=prefill)
+    except ValueError as e:
+        raise RequestError(str(e), param="messages") from None
+    prompt = expanded_prompt(app, ids, cf.collect_images(messages), "messages")
+    return Rendered(prompt, thinking and not prefill, effort, budget if thinking else None,
+                    tools, prefill)
+
+
+def _submit(app: FastAPI, body: ap.MessagesRequest, rendered: Rendered):
+    use = ap.tool_use(body)
+    budget = None if rendered.prefill else rendered.budget
+    constraint = constraint_fields(
+        app.state.engine.tokenizer, tools=rendered.tools, calls=use.calls, named=use.named,
+        answer=ap.answer_schema(body), thinking=rendered.thinking, parallel=use.parallel,
+        reasoning_budget=budget, params={"tools": "tools", "tool_choice": "tool_choice",
+                                         "format": "output_config.format"})
+    config = app.state.config
+    settings = Settings(
+        max_tokens=body.max_tokens, temp=_pick(body.temperature, config.temp),
+        top_p=_pick(body.top_p, config.top_p), min_p=config.min_p,
+        top_k=_pick(body.top_k, config.top_k), seed=body.seed,
+        stops=list(body.stop_sequences or ()),
+        processor_fields=base_fields(use.allow_calls, constraint=constraint,
+                                     reasoning_budget=budget))
+    [job] = submit(app, rendered.prompt, settings, param="messages", body=body)
+    return job
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+# ----------------------------------------------------------------------------- replies
+
+def usage(finish: Finish) -> dict:
+    """Anthropic's usage: `input_tokens` are the prompt tokens read anew, the rest were the
+    prompt cache's; the server writes its caches itself, so nothing counts as creation."""
+    return {"input_tokens": finish.prompt_tokens - finish.cached_tokens,
+            "output_tokens": finish.completion_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": finish.cached_tokens}
+
+
+class _Reply:
+    """One request's reply: the whole message, or its stream of events."""
+
+    def __init__(self, app: FastAPI, body: ap.MessagesRequest, rendered: Rendered, job):
+        self.job, self.rendered, self.stops = job, rendered, list(body.stop_sequences or ())
+        self.model, self.id = app.state.config.model_id, new_id("msg_")
+        self.tokenizer, self.token_text = app.state.engine.tokenizer, app.state.token_text
+
+    def shell(self, content: list, stop: tuple, usage_: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+                "usage": usage_}
+
+    async def message(self) -> dict:
+        tokens, finish = await collect(self.job)
+        parser, blocks = ReplyParser(self.rendered.thinking), BlockStream()
+        for d in parser.feed("".join(t.text for t in tokens) + finish.text) + parser.finish():
+            blocks.feed(d)
+        blocks.close()
+        return self.shell(blocks.content, self.stop(tokens, finish, blocks.calls > 0),
+                          usage(finish))
+
+    def stop(self, tokens: list, finish: Finish, has_calls: bool) -> tuple:
+        """(stop_reason, stop_sequence)."""
+        if finish.reason == "length":
+            return "max_tokens", None
+        matched = self.matched_stop(tokens, finish)
+        if matched is not None:
+            return "stop_sequence", matched
+        return ("tool_use" if has_calls else "end_turn"), None
+
+    def matched_stop(self, tokens: list, finish: Finish) -> Optional[str]:
+        """The stop sequence that ended the reply: the engine cut the text just before it,
+        so the tokens' whole text continues with it there (None: EOS ended it)."""
+        if finish.reason != "stop" or not self.stops or not tokens \
+                or tokens[-1].token in self.tokenizer.eos_token_ids:
+            return None
+        released = "".join(t.text for t in tokens) + finish.text
+        raw = b"".join(self.token_text.bytes(t.token) for t in tokens).decode(
+            "utf-8", errors="replace")
+        rest = raw[len(released):]
+        return next((s for s in self.stops if s and rest.startswith(s)), None)
+
+    async def events(self):
+        """Anthropic's event stream; an error once it started is its last event."""
+        start = self.shell([], (None, None), {"input_tokens": len(self.rendered.prompt.ids),
+                                              "output_tokens": 0,
+                                              "cache_creation_input_tokens": 0,
+                                              "cache_read_input_tokens": 0})
+        yield sse("message_start", {"type": "message_start", "message": start})
+        yield sse("ping", {"type": "ping"})
+        parser, blocks, tokens = ReplyParser(self.rendered.thinking), BlockStream(), []
+        try:
+            async for event in self.job.events():
+                deltas = parser.feed(event.text)
+                if isinstance(event, Token):
+                    tokens.append(event)
+                else:
+                    deltas += parser.finish()
+                for d in deltas:
+                    for text in blocks.feed(d):
+                        yield text
+        except Exception as e:  # after the headers went out: the error is the last event
+            log.warning("streamed request failed: %s", e)
+            yield sse("error", error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            return
+        for text in blocks.close():
+            yield text
+        finish = self.job.finish
+        reason, sequence = self.stop(tokens, finish, blocks.calls > 0)
+        yield sse("message_delta", {"type": "message_delta", "delta": {
+            "stop_reason": reason, "stop_sequence": sequence}, "usage": usage(finish)})
+        yield sse("message_stop", {"type": "message_stop"})
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class BlockStream:
+    """Reply deltas as content blocks, in their order: a block opens when the kind of delta
+    changes (thinking, text, each tool_use) and closes before the next (a thinking block
+    with its `signature_delta`). `feed` and `close` return the stream's events; `content`
+    is the whole message's blocks so far."""
+
+    KINDS = {"reasoning": "thinking", "content": "text"}
+
+    def __init__(self):
+        self.content, self.kind, self.calls, self.arguments = [], None, 0, ""
+
+    def feed(self, d: Delta) -> list:
+        if d.kind == "arguments":
+            self.arguments += d.text
+            return [self._delta({"type": "input_json_delta", "partial_json": d.text})]
+        if d.kind == "call":
+            self.calls += 1
+            return self._open("tool_use", {"type": "tool_use", "id": new_id("toolu_"),
+                                           "name": d.text, "input": {}})
+        kind = self.KINDS[d.kind]
+        out = [] if self.kind == kind else self._open(
+            kind, {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+            else {"type": "text", "text": ""})
+        self.content[-1][kind] += d.text
+        delta = {"type": f"{kind}_delta", kind: d.text}
+        return out + [self._delta(delta)]
+
+    def close(self) -> list:
+        if self.kind is None:
+            return []
+        out, block = [], self.content[-1]
+        if self.kind == "thinking":
+            block["signature"] = signature(block["thinking"])
+            out.append(self._delta({"type": "signature_delta",
+                                    "signature": block["signature"]}))
+        elif self.kind == "tool_use":  # the parser's arguments are one JSON object
+            block["input"], self.arguments = json.loads(self.arguments or "{}"), ""
+        self.kind = None
+        return out + [sse("content_block_stop", {"type": "content_block_stop",
+                                                 "index": len(self.content) - 1})]
+
+    def _open(self, kind: str, block: dict) -> list:
+        out = self.close()
+        self.kind = kind
+        self.content.append(block)
+        return out + [sse("content_block_start", {"type": "content_block_start",
+                                                  "index": len(self.content) - 1,
+                                                  "content_block": dict(block)})]
+
+    def _delta(self, delta: dict) -> str:
+        return sse("content_block_delta", {"type": "content_block_delta",
+                                           "index": len(self.content) - 1, "delta": delta})

@@ -1,0 +1,216 @@
+"""OpenAI's Responses API: `POST /v1/responses` (streamed as its typed events or not),
+`GET` and `DELETE /v1/responses/{id}`. A request is rendered as a chat conversation (its
+`previous_response_id`'s stored conversation, then its own input items) and served by the
+engine like a chat completion; a completed response is stored for the next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..chat import format as cf
+from .constraints import constraint_fields
+from .engine import Settings, Token
+from .images import ImageReader
+from .messages import with_response_format
+from .processors import base_fields
+from .protocol import RequestError, check_text
+from .reply_parser import ReplyParser
+from .responses import error_body, new_id
+from .responses_events import ResponseBuilder, sse
+from .responses_protocol import (Conversation, ResponsesRequest, answer_format,
+                                 check_supported, function_tools, input_items,
+                                 reasoning_mode, tool_choice, tool_spec, validated)
+from .responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse
+from .serving import expanded_prompt, read_json, sse_response, submit, until_done
+
+log = logging.getLogger("mlx_v41.server")
+PARAMS = {"tools": "tools", "tool_choice": "tool_choice", "format": "text.format.schema"}
+
+
+def add_routes(app: FastAPI) -> None:
+    """Register this API's routes on the app, with a store of the default size (the CLI
+    replaces `app.state.responses` with one of `--max-stored-responses`)."""
+    app.state.responses = ResponseStore(DEFAULT_MAX_STORED_RESPONSES)
+
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        body = _parse(await read_json(request))
+        app.state.config.check_model(body.model)
+        check_supported(body)
+        turn = _Turn(app, body)
+        jobs = submit(app, turn.prompt, turn.settings, param="input", body=body)
+        run = _run(app, turn, jobs[0])
+        if body.stream:
+            return sse_response(_streamed(run, turn.builder), jobs)
+        try:
+            return await until_done(request, jobs, _collected(run, turn.builder))
+        except Exception as e:  # answered here: uvicorn closes the connection of an app error
+            log.exception("request failed")
+            return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}",
+                                           kind="server_error"), status_code=500)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str):
+        stored = app.state.responses.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored.body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        if not app.state.responses.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _parse(raw) -> ResponsesRequest:
+    if not isinstance(raw, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(raw).__name__}")
+    body = validated(ResponsesRequest, raw, "")
+    check_text(body.model_dump(exclude_none=True, by_alias=True), "")
+    return body
+
+
+def _not_found(response_id: str) -> RequestError:
+    return RequestError(f"no response with id {response_id!r} is stored", status=404,
+                        param="response_id", code="not_found")
+
+
+class _Turn:
+    """One request made ready to run: its conversation items, rendered prompt, settings and
+    the response it builds."""
+
+    def __init__(self, app: FastAPI, body: ResponsesRequest):
+        config, tokenizer = app.state.config, app.state.engine.tokenizer
+        self.body, history, new = body, self._history(app, body), input_items(body)
+        self.thinking, effort = reasoning_mode(body, config.thinking, config.reasoning_effort)
+        messages = self._messages(app, history, new)
+        tools = function_tools(body)
+        specs = [tool_spec(tool) for tool in tools]
+        calls, named = tool_choice(body)
+        constraint = constraint_fields(tokenizer, tools=specs, calls=calls, named=named,
+                                       answer=answer_format(body), thinking=self.thinking,
+                                       parallel=body.parallel_tool_calls, params=PARAMS)
+        self.prompt = self._render(app, messages, specs, effort)
+        self.items = history + new  # the conversation so far, as input items
+        self.settings = self._settings(config, body, base_fields(calls != "none", constraint))
+        self.builder = ResponseBuilder(_body(config, body, tools))
+
+    @staticmethod
+    def _history(app: FastAPI, body: ResponsesRequest) -> list:
+        if body.previous_response_id is None:
+            return []
+        stored = app.state.responses.get(body.previous_response_id)
+        if stored is None:
+            raise RequestError(f"previous response with id {body.previous_response_id!r} "
+                               "not found", param="previous_response_id",
+                               code="previous_response_not_found")
+        return list(stored.items)
+
+    def _messages(self, app: FastAPI, history: list, new: list) -> list:
+        config, engine = app.state.config, app.state.engine
+        conversation = Conversation(ImageReader.for_model(engine.model, config.max_image_bytes,
+                                                          config.max_image_pixels))
+        for item in history:  # stored, so checked when they were new
+            conversation.add(item, "previous_response_id")
+        for k, item in enumerate(new):
+            conversation.add(item, "input" if isinstance(self.body.input, str) else f"input[{k}]")
+        messages = conversation.messages
+        if not messages:
+            raise RequestError("input: no input items", param="input")
+        if self.body.instructions is not None:
+            messages.insert(0, {"role": "system", "content": self.body.instructions})
+        elif config.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": config.system_prompt})
+        text = self.body.text
+        text_format = text and text.format.model_dump(by_alias=True, exclude_none=True)
+        return with_response_format(messages, text_format)
+
+    def _render(self, app: FastAPI, messages: list, specs: list, effort):
+        tokenizer = app.state.engine.tokenizer
+        if tokenizer.missing_chat_tokens:
+            raise RequestError(f"the tokenizer has no single token for "
+                               f"{tokenizer.missing_chat_tokens[0]}: use /v1/completions",
+                               param="input")
+        tools = [{"type": "function", "function": spec} for spec in specs]
+        try:
+            ids = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                enable_thinking=self.thinking,
+                                                reasoning_effort=effort)
+        except ValueError as e:
+            raise RequestError(str(e), param="input") from None
+        return expanded_prompt(app, ids, cf.collect_images(messages), "input")
+
+    @staticmethod
+    def _settings(config, body: ResponsesRequest, fields: dict) -> Settings:
+        return Settings(max_tokens=body.max_output_tokens or config.max_tokens,
+                        temp=_pick(body.temperature, config.temp),
+                        top_p=_pick(body.top_p, config.top_p), min_p=config.min_p,
+                        top_k=config.top_k, seed=body.seed, processor_fields=fields)
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def _body(config, body: ResponsesRequest, tools: list) -> dict:
+    """The response object before its output: the request's settings echoed."""
+    text = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text \
+        else {"type": "text"}
+    return {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "background": False, "error": None,
+            "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
+            "model": config.model_id, "output": [],
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None},
+            "store": body.store, "temperature": _pick(body.temperature, config.temp),
+            "text": {"format": text}, "tool_choice": body.tool_choice or "auto",
+            "tools": [tool.model_dump() for tool in tools],
+            "top_p": _pick(body.top_p, config.top_p), "truncation": "disabled",
+            "usage": None, "user": body.user}
+
+
+async def _run(app: FastAPI, turn: _Turn, job):
+    """The response's events as its reply streams; a response that completed or reached
+    `max_output_tokens` is then stored (with `store`)."""
+    builder, parser = turn.builder, ReplyParser(turn.thinking)
+    for event in builder.start():
+        yield event
+    async for event in job.events():
+        if isinstance(event, Token):
+            builder.reasoning_tokens += parser.phase == "reasoning"
+            deltas = parser.feed(event.text)
+        else:
+            deltas = parser.feed(event.text) + parser.finish()
+        for delta in deltas:
+            for out in builder.add(delta):
+                yield out
+    for out in builder.finish(job.finish):
+        yield out
+    if turn.body.store and builder.body["status"] in ("completed", "incomplete"):
+        items = turn.items + [dict(item) for item in builder.body["output"]]
+        app.state.responses.put(builder.body["id"], StoredResponse(builder.body, items))
+
+
+async def _collected(run, builder: ResponseBuilder) -> dict:
+    async for _ in run:
+        pass
+    return builder.body
+
+
+async def _streamed(run, builder: ResponseBuilder):
+    try:
+        async for event in run:
+            yield sse(event)
+    except Exception as e:  # after the headers went out: the error ends the stream
+        log.warning("streamed request failed: %s", e)
+        for event in builder.fail(f"internal error: {type(e).__name__}: {e}"):
+            yield sse(event)

@@ -1,0 +1,139 @@
+"""What every API's routes share: the server's settings (`ServerConfig`), reading a body,
+expanding a prompt's images, queueing a request's choices (`submit`), streaming SSE and
+awaiting a result while watching for the client to leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from ..generation.api import PromptTooLongError, check_context
+from ..model.vision.prompt import ImagePrompt, prepare_prompt
+from .engine import Settings, Token
+from .images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+from .processors import processors_from
+from .protocol import MAX_SEED, RequestError
+
+DEFAULT_MODEL_ALIAS = "default_model"  # mlx-lm's name for the model the server loaded
+DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
+
+
+@dataclass
+class ServerConfig:
+    """What the CLI decides for every request: the served name, the values of fields a
+    request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings) and
+    the limits on each image part (decoded bytes, width x height) and on a prompt's tokens
+    (None: the model's context)."""
+
+    model_id: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    thinking: bool = True
+    reasoning_effort: object = None
+    system_prompt: Optional[str] = None
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_prompt_tokens: Optional[int] = None
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name not in (None, self.model_id, Path(self.model_id).name, DEFAULT_MODEL_ALIAS):
+            raise RequestError(f"the model {name!r} does not exist: this server serves "
+                               f"{self.model_id!r}", status=404, param="model",
+                               code="model_not_found")
+
+
+async def read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON ({e})") from None
+
+
+def expanded_prompt(app: FastAPI, ids: list, images: list, param: str) -> ImagePrompt:
+    """`ids` with each image placeholder expanded into its image's span (as generate does)."""
+    try:
+        return prepare_prompt(app.state.engine.model, ids, images)
+    except ValueError as e:
+        raise RequestError(str(e), param=param) from None
+
+
+def submit(app: FastAPI, prompt: ImagePrompt, settings: Settings, *, n: int = 1,
+           param: str = "messages", body=None) -> list:
+    """Queue a request of any API: checks the prompt's length (RequestError naming `param`),
+    makes each choice's processors from `settings.processor_fields` (fresh ones per choice:
+    a constraint's processor keeps state) plus the app's hook (given `body`), and returns one
+    job per choice (`n`; with a seed, choice i samples with seed + i)."""
+    engine, limit = app.state.engine, app.state.config.max_prompt_tokens
+    if limit is not None and len(prompt.ids) > limit:
+        raise RequestError(f"the prompt has {len(prompt.ids):,} tokens, more than this "
+                           f"server's limit of {limit:,} (--max-prompt-tokens)", param=param,
+                           code="context_length_exceeded")
+    try:
+        check_context(engine.model, 0, len(prompt.ids))
+    except PromptTooLongError as e:
+        raise RequestError(str(e), param=param, code="context_length_exceeded") from None
+    choices = [dataclasses.replace(settings, seed=None if settings.seed is None else
+                                   (settings.seed + i) % (MAX_SEED + 1),
+                                   processors=_processors(app, settings, body, prompt.ids))
+               for i in range(n)]
+    if n == 1:
+        return [engine.submit(prompt, choices[0])]
+    # n choices: one sequence each, from one prefill where the engine batches
+    return engine.submit_many(prompt, choices)
+
+
+def _processors(app: FastAPI, settings: Settings, body, prompt: list) -> list:
+    processors = processors_from(settings.processor_fields, app.state.engine.tokenizer)
+    if app.state.logits_processors is not None and body is not None:
+        processors += list(app.state.logits_processors(body, prompt))
+    return processors
+
+
+def sse_response(events, jobs: list) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for text in events:
+                yield text
+        finally:  # the client went away (or the stream ended): stop the generation
+            for job in jobs:
+                if job.finish is None:
+                    job.cancel()
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def until_done(request: Request, jobs: list, result):
+    """Await a non-streamed result; a client that disconnects first cancels the jobs."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for job in jobs:
+            job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await result
+    finally:
+        watcher.cancel()
+
+
+async def collect(job) -> tuple:
+    tokens, finish = [], None
+    async for event in job.events():
+        if isinstance(event, Token):
+            tokens.append(event)
+        else:
+            finish = event
+    return tokens, finish

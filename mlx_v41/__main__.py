@@ -10,6 +10,7 @@ COMMANDS = {
     "convert": "mlx_v41.convert.cli",
     "demo": "mlx_v41.cli.demo",
     "server": "mlx_v41.cli.server",
+    "perplexity": "mlx_v41.cli.perplexity",
 }
 USAGE = f"usage: python -m mlx_v41 {{{','.join(COMMANDS)}}} [options]  (options: <command> --help)"
 

@@ -1,10 +1,10 @@
 """Saving, loading and copying whole-model caches (prompt caches).
 
 A file is one safetensors with every layer's packed state and a metadata block naming what the
-cache depends on: the text config, the weights and the prefill mode (and, for a rank's share
-across ranks, its rank and the group's split), each fingerprinted separately so that a
-refusal can name the part that differs, and a sha256 of each array's bytes so that a damaged
-file is refused rather than loaded. mlx-lm's
+cache depends on: the text config, the weights, the load-time overrides and the prefill mode
+(and, for a rank's share across ranks, its rank and the group's split), each fingerprinted
+separately so that a refusal can name the part that differs, and a sha256 of each array's bytes
+so that a damaged file is refused rather than loaded. mlx-lm's
 `save_prompt_cache`/`load_prompt_cache` cannot be used as is: its loader only rebuilds its own
 cache classes. Its `can_trim_prompt_cache`/`trim_prompt_cache` work on our caches
 (`is_trimmable`/`trim`), but `trim_cache` here is atomic across layers.
@@ -57,12 +57,17 @@ def _parameter_fingerprint(model) -> str:
 
 
 def fingerprints(model, share: Optional[dict] = None) -> dict:
-    """What a cache depends on, as metadata strings: config, weights and prefill mode (an
-    approximate `ced_replay` cache or another CED halo must not feed an exact model), and for
-    a rank's share of a group's cache, `share` ({"rank", "size", "split"}) as "group"."""
+    """What a cache depends on, as metadata strings: config, weights, load-time overrides of
+    the sparse attention (`load_model(overrides=...)`: another top-k selects other rows) and
+    prefill mode (an approximate `ced_replay` cache or another CED halo must not feed an exact
+    model), and for a rank's share of a group's cache, `share` ({"rank", "size", "split"}) as
+    "group"."""
     prefill = {"prefill_mode": model.prefill_mode, "ced_rollback": model.ced_rollback}
     out = {"config": config_fingerprint(model), "weights": weights_fingerprint(model),
            "prefill": json.dumps(prefill, sort_keys=True)}
+    overrides = getattr(model, "overrides", None)
+    if overrides:  # absent when none: a model without overrides keeps its earlier identity
+        out["overrides"] = json.dumps(dict(overrides), sort_keys=True)
     if share is not None:
         out["group"] = json.dumps(share, sort_keys=True)
     return out
@@ -163,6 +168,10 @@ def _check_origin(path: Path, info: dict, model, share: Optional[dict]) -> None:
     if found != FORMAT:
         raise CacheError(f"{path}: not an mlx_v41 prompt cache")
     expected = fingerprints(model, share)
+    if info.get("overrides") != expected.get("overrides"):
+        raise CacheError(f"{path}: the cache was made with other sparse-attention overrides "
+                         f"({_settings_text(info.get('overrides'), 'none')}; this model: "
+                         f"{_settings_text(expected.get('overrides'), 'none')})")
     if info.get("config") != expected["config"]:
         raise CacheError(f"{path}: the cache was made by a model with another config")
     if info.get("weights") != expected["weights"]:
@@ -170,8 +179,8 @@ def _check_origin(path: Path, info: dict, model, share: Optional[dict]) -> None:
                          "conversion or quantization)")
     if info.get("prefill") != expected["prefill"]:
         raise CacheError(f"{path}: the cache was made with another prefill mode "
-                         f"({_prefill_text(info.get('prefill'))}; this model: "
-                         f"{_prefill_text(expected['prefill'])})")
+                         f"({_settings_text(info.get('prefill'))}; this model: "
+                         f"{_settings_text(expected['prefill'])})")
     if info.get("group") != expected.get("group"):
         raise CacheError(f"{path}: the cache was made by {_group_text(info.get('group'))}; "
                          f"this is {_group_text(expected.get('group'))}")
@@ -206,9 +215,9 @@ def _group_text(group: Optional[str]) -> str:
     return f"rank {g['rank']} of {g['size']} ({split})"
 
 
-def _prefill_text(prefill: Optional[str]) -> str:
-    settings = json.loads(prefill or "{}")
-    return ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items())) or "unknown"
+def _settings_text(settings: Optional[str], empty: str = "unknown") -> str:
+    settings = json.loads(settings or "{}")
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items())) or empty
 
 
 def _restore(i: int, c: LayerCache, meta: dict, arrays: dict, path: Path) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Optional
 
-from ..model.config import ModelArgs
+from ..cache.layer import rollback_limit
+from ..model.config import ConfigError, ModelArgs, with_overrides
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -89,10 +91,16 @@ def has_vision_tower(folder) -> bool:
     return _holds(folder, "vision", lambda manifest: manifest.get("extras", {}).get("vision"))
 
 
+def _drafts_fit(cfg) -> bool:
+    """Whether the window rings can undo a rejected DSpark block (a smaller window override
+    shrinks them)."""
+    return rollback_limit(cfg.sliding_window) >= cfg.dspark_block_size
+
+
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
                vision: Optional[bool] = None, head_dtype: str = "float32",
-               placement: Optional[Placement] = None):
+               placement: Optional[Placement] = None, overrides: Optional[dict] = None):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -110,9 +118,10 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         dspark: load the DSpark drafter into `model.dspark` (the `mtp.*` tensors of a
             published folder, the `dspark-*` files of a converted one), which
             `stream_generate(..., draft="dspark")` needs. Default (None): load it when the
-            folder has it. True: a folder without it raises CheckpointError. False: its
-            tensors are left unread (7.93 GB at full size), and no forward pays for the
-            drafter's rings.
+            folder has it (and an overridden window still lets a verification roll
+            back). True: a folder without it raises CheckpointError (a window too small
+            for it, ConfigError). False: its tensors are left unread (7.93 GB at full
+            size), and no forward pays for the drafter's rings.
         vision: load the vision tower (`vision.*`, `aligner.*`, `image_*`: 0.49 B parameters
             at full size, BF16) for image prompts. None (default): when the checkpoint has
             it; True: required (CheckpointError without it); False: left unread.
@@ -122,6 +131,11 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         placement: which model is built and which tensors (and which share of each) it
             reads (`checkpoint.placement`): default a `Model` reading every tensor whole; a
             rank of a group passes its own (`mlx_v41.distributed`).
+        overrides: load-time values of the sparse-attention knobs (docs/quality.md):
+            {"index_topk": k, "candidate_topk_blocks": n, "sliding_window": w}, any subset;
+            the window at most the checkpoint's. A ConfigError names the key of an unknown
+            key or a value the weights cannot honour. Recorded as `model.overrides` (the
+            values that differ from the checkpoint's), which prompt caches compare.
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -133,9 +147,15 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: model folder not found")
-    args = ModelArgs.from_file(folder / "config.json")
+    checkpoint_args = ModelArgs.from_file(folder / "config.json")
+    args = with_overrides(checkpoint_args, overrides)
     if dspark is None:
-        dspark = has_drafter(folder)
+        dspark = has_drafter(folder) and _drafts_fit(args.text_config)
+    elif dspark and not _drafts_fit(args.text_config):
+        raise ConfigError(f"overrides.sliding_window: {args.text_config.sliding_window} is too "
+                          "small for the DSpark drafter (a verification rolls back up to "
+                          f"{args.text_config.dspark_block_size} tokens: a window of at least "
+                          f"{args.text_config.dspark_block_size - 1}); load without it")
     vision = has_vision_tower(folder) if vision is None else vision
     placement = WHOLE if placement is None else placement
     model = placement.build(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
@@ -151,5 +171,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             token_map = _token_map(folder, args.text_config)
         model.engram_hasher = EngramHasher.from_config(args.text_config, token_map)
     model.weights_fingerprint = weights_fingerprint(folder)
+    # read-only, and kept out of the module tree (nn.Module holds dict attributes as children)
+    model.overrides = MappingProxyType({k: v for k, v in sorted((overrides or {}).items())
+                                        if getattr(checkpoint_args.text_config, k) != v})
     model.pair_projections()  # the projections that read one input: one matmul each
     return model

@@ -46,7 +46,8 @@ def _download(repo: str) -> Path:
 
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
          ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
-         vision: Optional[bool] = None, head_dtype: str = "float32", placement=None):
+         vision: Optional[bool] = None, head_dtype: str = "float32", placement=None,
+         overrides: Optional[dict] = None):
     """Load a model and its tokenizer (`placement`: see load_model).
 
     Args:
@@ -59,6 +60,8 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
             (default) when the checkpoint has it, True (required), False (skipped).
         vision: load the vision tower for image prompts (None: when the checkpoint has it).
         head_dtype: "float32" (default, the reference's LM head) or "bfloat16" (see load_model).
+        overrides: load-time values of `index_topk`, `candidate_topk_blocks`,
+            `sliding_window` (see load_model).
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:
@@ -73,5 +76,6 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     tokenizer = load_tokenizer(folder, eos_token_ids=[args.eos_token_id])
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
                        prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
-                       vision=vision, head_dtype=head_dtype, placement=placement)
+                       vision=vision, head_dtype=head_dtype, placement=placement,
+                       overrides=overrides)
     return model, tokenizer

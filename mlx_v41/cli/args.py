@@ -1,5 +1,5 @@
-"""The flags `mlx_v41.generate` and `mlx_v41.chat` share (mlx-lm's names), one-line argument
-errors, and the prefill progress line.
+"""The flags `mlx_v41.generate`, `mlx_v41.chat` and `mlx_v41.server` share (mlx-lm's names; the
+load-time overrides also in `mlx_v41.perplexity`), one-line argument errors.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ PREFILL_MODE_HELP = ("ced (default): exact encoder-only prefill plus the decoder
                      "every layer over every prompt row, like the reference; ced_replay: the "
                      "tech report's bounded replay, APPROXIMATE (its logits differ from "
                      "ced/full)")
+
+
+HEAD_DTYPE_HELP = ("LM head weights: float32 (default, the reference's head) or bfloat16 (half "
+                   "the bytes per token; logits rounded to bf16)")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -104,6 +108,30 @@ def _effort(text):
     return value
 
 
+# Flag -> the `load_model(overrides=...)` key it sets (docs/quality.md).
+OVERRIDE_FLAGS = {"index_topk": "index_topk", "candidate_blocks": "candidate_topk_blocks",
+                  "sliding_window": "sliding_window"}
+
+
+def add_override_arguments(parser) -> None:
+    """The load-time overrides of the sparse attention (every command that loads a model)."""
+    add, positive = parser.add_argument, _number(int, 1, what="a positive integer")
+    add("--index-topk", type=positive, default=None,
+        help="compressed rows each query attends (default: the checkpoint's index_topk, 512)")
+    add("--candidate-blocks", type=positive, default=None,
+        help="blocks in the candidate pool of the Reindex layers (default: the checkpoint's "
+             "candidate_topk_blocks, 2048)")
+    add("--sliding-window", type=positive, default=None,
+        help="window positions each query attends, at most the checkpoint's (128): an "
+             "approximation below it")
+
+
+def model_overrides(args) -> Optional[dict]:
+    """The `overrides` of `load`/`load_model` the flags ask for (None: the checkpoint's)."""
+    return {key: getattr(args, flag) for flag, key in OVERRIDE_FLAGS.items()
+            if getattr(args, flag, None) is not None} or None
+
+
 def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
     """The flags `mlx_v41.generate` and `mlx_v41.chat` share (mlx-lm's names)."""
     add = parser.add_argument
@@ -128,9 +156,8 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
         default=DEFAULT_PREFILL_STEP_SIZE,
         help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_STEP_SIZE})")
     add("--prefill-mode", choices=PREFILL_MODES, default="ced", help=PREFILL_MODE_HELP)
-    add("--head-dtype", choices=HEAD_DTYPES, default="float32",
-        help="LM head weights: float32 (default, the reference's head) or bfloat16 (half the "
-             "bytes per token; logits rounded to bf16)")
+    add("--head-dtype", choices=HEAD_DTYPES, default="float32", help=HEAD_DTYPE_HELP)
+    add_override_arguments(parser)
     add("--thinking", action=argparse.BooleanOptionalAction, default=True,
         help="thinking mode (the reply reasons before answering; default) or chat mode")
     add("--reasoning-effort", type=_effort, default=None,

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..cache.layer import CacheError
 from ..checkpoint.source import DEMO, load
 from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
-                   decode_settings, utf8_flag, utf8_problem)
+                   decode_settings, model_overrides, utf8_flag, utf8_problem)
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import (PromptCache, prompt_cache_exists, read_prompt_cache,
                                        reuse_prompt_cache, write_prompt_cache)
@@ -41,9 +41,9 @@ def setup_arg_parser() -> ArgumentParser:
                         help="use the prompt text as is (BOS added when missing)")
     parser.add_argument("--prompt-cache-file", default=None,
                         help="prompt cache file (mlx_v41 format, any name, e.g. a saved chat "
-                             "session made with the same model, --prefill-mode and "
-                             "--dspark): its cached prefix of this prompt is reused; written "
-                             "with this prompt when the file does not exist (across "
+                             "session made with the same model, --prefill-mode, --dspark "
+                             "and overrides): its cached prefix of this prompt is reused; "
+                             "written with this prompt when the file does not exist (across "
                              "ranks: rank r's share in FILE.rank<r>-of-<n>, rank 0's in FILE)")
     add_distributed_arguments(parser)
     parser.add_argument("--image", action="extend", nargs="+", default=[], metavar="IMAGE",
@@ -104,7 +104,8 @@ def run(args) -> int:
         print("demo model: a tiny random checkpoint, so the text is random", file=sys.stderr)
     loader = distributed_loader(args)
     model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
-                                        dspark=args.dspark, head_dtype=args.head_dtype)
+                                        dspark=args.dspark, head_dtype=args.head_dtype,
+                                        overrides=model_overrides(args))
     group = ONE_PROCESS if loader is None else model.group
     with wired_limit(model):
         response = _reply(args, model, tokenizer, group)

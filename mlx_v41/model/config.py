@@ -31,6 +31,9 @@ POSITIVE_TEXT_KEYS = (
 ROPE_SCALING_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
 # Root keys a config.json may carry that describe the file, not the model: no warning.
 IGNORED_ROOT_KEYS = {"transformers_version"}
+# Sparse-attention knobs a load may override (`with_overrides`): none changes a weight's shape.
+# The window only shrinks: the weights were trained with the checkpoint's.
+OVERRIDE_KEYS = ("index_topk", "candidate_topk_blocks", "sliding_window")
 
 
 class ConfigError(ValueError):
@@ -288,6 +291,48 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def with_overrides(args: ModelArgs, overrides: Optional[dict]) -> ModelArgs:
+    """`args` with load-time values of the sparse-attention knobs (`OVERRIDE_KEYS`); a
+    ConfigError naming the key for an unknown key or a value the weights cannot honour."""
+    if not overrides:
+        return args
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"overrides: expected a dict of {', '.join(OVERRIDE_KEYS)}, got "
+                          f"{type(overrides).__name__}")
+    text = args.text_config
+    for key, value in overrides.items():
+        _check_override(text, key, value)
+    return dataclasses.replace(args, text_config=dataclasses.replace(text, **overrides))
+
+
+def _check_override(text: TextConfig, key: str, value) -> None:
+    if key not in OVERRIDE_KEYS:
+        raise ConfigError(f"overrides.{key}: not a load-time override (one of "
+                          f"{', '.join(OVERRIDE_KEYS)})")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"overrides.{key}: expected an integer, got {value!r}")
+    if value < 1:
+        raise ConfigError(f"overrides.{key}: must be >= 1 (got {value})")
+    most, why = override_limit(text, key)
+    if value > most:
+        raise ConfigError(f"overrides.{key}: {value} exceeds {most}, {why}")
+
+
+def override_limit(text: TextConfig, key: str) -> tuple:
+    """(largest value, the reason) an override of `key` may take with this checkpoint."""
+    if key == "sliding_window":
+        return text.sliding_window, ("the checkpoint's window: its weights were made with it, "
+                                     "so only a smaller window can be used")
+    ratios = [r for r in text.compress_ratios[:text.num_hidden_layers] if r > 0] or [1]
+    rows = text.max_position_embeddings // min(ratios)
+    if key == "index_topk":
+        return rows, "the most compressed rows a query can see (max_position_embeddings / " \
+            "the smallest compress ratio)"
+    return -(-rows // text.candidate_block_size), ("the most candidate blocks of "
+                                                  f"{text.candidate_block_size} rows a query "
+                                                  "can see")
 
 
 def _field_names(cls) -> set:

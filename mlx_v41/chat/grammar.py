@@ -122,8 +122,36 @@ def _parameter(rule: str, key: str, schema, d: str, tool: str) -> list:
                 value]
     if not isinstance(schema, dict):
         raise SchemaError(f"tool {tool!r}: parameter {key!r} has no JSON schema", tool)
+    split = _split_string(schema)
+    if split is not None:  # a string is written raw, anything else as JSON: one branch each
+        text, other = split
+        return [f"{rule}: {rule}_s | {rule}_j",
+                *_parameter(f"{rule}_s", key, text, d, tool),
+                *_parameter(f"{rule}_j", key, other, d, tool)]
     return [f'{rule}: {opening} "\\"false\\">" {rule}_json "</" {d} " parameter>"',
             f"{rule}_json: %json {_json(schema)}"]
+
+
+def _split_string(schema: dict):
+    """(the string part, the rest) of a schema whose type list holds "string" and others (a
+    nullable string, as OpenAI's strict mode writes optional fields), or None."""
+    types = schema.get("type")
+    if not (isinstance(types, list) and "string" in types and len(types) > 1
+            and set(schema) <= _STRING_KEYWORDS):
+        return None
+    others = [t for t in types if t != "string"]
+    text = dict(schema, type="string")
+    other = {k: v for k, v in schema.items() if k in ("type", "enum", "const", "description")}
+    other["type"] = others if len(others) > 1 else others[0]
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices is not None:
+        text.pop("const", None)
+        other.pop("const", None)
+        text["enum"] = [c for c in choices if isinstance(c, str)]
+        other["enum"] = [c for c in choices if not isinstance(c, str)]
+        if not text["enum"] or not other["enum"]:
+            return None
+    return text, other
 
 
 def _is_plain_string(schema) -> bool:

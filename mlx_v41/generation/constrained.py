@@ -110,9 +110,9 @@ class GrammarProcessor:
 
     def _follow(self, answer: list) -> bool:
         """Bring the matcher to `answer`; False when the grammar refuses one of its tokens."""
-        same = 0
-        while same < min(len(answer), len(self.fed)) and answer[same] == self.fed[same]:
-            same += 1
+        same = min(len(answer), len(self.fed))
+        if answer[:same] != self.fed[:same]:  # whole-list compares run in C: one per token
+            same = next(i for i, (a, b) in enumerate(zip(answer, self.fed)) if a != b)
         if same < len(self.fed):
             self.matcher.rollback(len(self.fed) - same)
             del self.fed[same:]

@@ -198,6 +198,22 @@ def test_a_failing_request_leaves_the_server_healthy(live, client):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_a_500_keeps_the_connection_open(live):
+    """A request that fails with a 500 does not close its keep-alive connection: the next
+    request on it (as a client's connection pool sends it) is served."""
+    live.hook.scripts["boom"] = RuntimeError("boom in a processor")
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
+    body = json.dumps({"messages": [{"role": "user", "content": "fail"}], "user": "boom",
+                       "max_tokens": 2})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    failed = conn.getresponse()
+    assert failed.status == 500 and b"boom in a processor" in failed.read()
+    conn.request("GET", "/health")
+    again = conn.getresponse()
+    assert again.status == 200 and json.loads(again.read()) == {"status": "ok"}
+    conn.close()
+
+
 # ----------------------------------------------------------------------------- serving
 
 def test_cancel_stops_within_a_token(live):

@@ -85,11 +85,38 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request, e: HTTPException):
         return error(request, e.status_code, str(e.detail), kind="invalid_request_error")
 
-    @app.exception_handler(Exception)
-    async def internal(request, e):
-        log.exception("request failed")
+    def internal(request, e: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=e)
         return error(request, 500, f"internal error: {type(e).__name__}: {e}",
                      kind="server_error")
+
+    app.add_middleware(_InternalErrors, respond=internal)
+
+
+class _InternalErrors:
+    """Turns an exception no handler took into a 500 in the API's shape, here rather than in
+    Starlette's outermost handler, which answers and then re-raises, so that uvicorn closes
+    the connection and a client reusing it fails on its next request."""
+
+    def __init__(self, app, respond):
+        self.app, self.respond = app, respond
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            if started:  # the response is under way: nothing else can be sent
+                raise
+            await self.respond(Request(scope), e)(scope, receive, send)
 
 
 def _add_routes(app: FastAPI) -> None:

@@ -42,7 +42,9 @@ def live(tmp_path_factory):
 
 
 def check_cached(turns: list) -> None:
-    """turns: (prompt tokens, cached tokens, completion tokens) per turn."""
+    """turns: (prompt tokens, cached tokens, completion tokens) per turn. Each loop opens with
+    its own user message, so its first turn finds nothing cached."""
+    assert turns[0][1] == 0, turns
     for k in range(1, len(turns)):
         prompt, cached, _ = turns[k]
         before, _, reply = turns[k - 1]
@@ -52,7 +54,7 @@ def check_cached(turns: list) -> None:
 
 def test_chat_completions_loop_stays_cached(live):
     client = live.client()
-    messages = [{"role": "user", "content": "Look at the repository."}]
+    messages = [{"role": "user", "content": "Look at the repository (chat completions)."}]
     tools, turns = [{"type": "function", "function": TOOL}], []
     for k in range(TURNS):
         reply = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=tools,
@@ -71,12 +73,13 @@ def test_chat_completions_loop_stays_cached(live):
     check_cached(turns)
 
 
+@pytest.mark.slow
 def test_anthropic_messages_loop_stays_cached(live):
     client = anthropic.Anthropic(base_url=live.base_url.removesuffix("/v1"), api_key="unused",
                                  max_retries=0)
     tools = [{"name": TOOL["name"], "description": TOOL["description"],
               "input_schema": TOOL["parameters"]}]
-    messages = [{"role": "user", "content": "Look at the repository."}]
+    messages = [{"role": "user", "content": "Look at the repository (messages)."}]
     turns = []
     for k in range(TURNS):
         reply = client.messages.create(model=MODEL_ID, max_tokens=200, messages=messages,
@@ -96,11 +99,12 @@ def test_anthropic_messages_loop_stays_cached(live):
     check_cached(turns)
 
 
+@pytest.mark.slow
 def test_responses_loop_with_previous_response_id_stays_cached(live):
     """Only the new turn is sent: the server's stored conversation supplies the rest."""
     client = live.client()
     tools = [{"type": "function", **TOOL}]
-    turn_input: list = [{"role": "user", "content": "Look at the repository."}]
+    turn_input: list = [{"role": "user", "content": "Look at the repository (responses)."}]
     previous, turns = None, []
     for k in range(TURNS):
         reply = client.responses.create(model=MODEL_ID, input=turn_input, tools=tools,

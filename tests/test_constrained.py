@@ -259,6 +259,7 @@ def allowed(row: mx.array) -> list:
 # ---------------------------------------------------------------- forced tool calls
 
 
+@pytest.mark.slow
 def test_named_tool_call_validates_and_renders(loaded):
     """Only the named tool passed: every call is that tool's, valid, rendered byte for byte."""
     model, tokenizer = loaded
@@ -269,7 +270,7 @@ def test_named_tool_call_validates_and_renders(loaded):
         assert {c["name"] for c in calls} == {"weather"}
 
 
-@pytest.mark.parametrize("seeds", [SEEDS[:3], slow(SEEDS[3:8])])
+@pytest.mark.parametrize("seeds", [slow(SEEDS[:3]), slow(SEEDS[3:8])])
 def test_one_call_without_parallel(loaded, seeds):
     """parallel=False: exactly one call; tools with no parameters (an empty schema, no
     schema at all) and with optional parameters only."""
@@ -528,7 +529,7 @@ class Refused:
         return tokens, mx.broadcast_to(logits, (1, 5, self.vocab)), mx.full((1, 5), 10.0)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temp=1.0)])
+@pytest.mark.parametrize("sampling", [Sampling(), slow(Sampling(temp=1.0))])
 def test_refused_drafts_never_accepted(drafting, sampling):
     """The drafts are a token the grammar refuses, which a processor before the constraint
     makes the unshaped target's first choice: none is accepted and, greedy, the tokens are
@@ -568,6 +569,7 @@ def test_dspark_sampled_validates(drafting):
 # ---------------------------------------------------------------- batches
 
 
+@pytest.mark.slow
 def test_batch_mixed_constraints_equal_batch_one(loaded):
     """Greedy: different schemas per sequence and an unconstrained one; each constrained
     reply validates and every sequence emits its batch-1 tokens."""

@@ -1,4 +1,5 @@
-"""`python -m mlx_v41 <command> ...`: generate, chat, inspect, convert, demo, server."""
+"""`python -m mlx_v41 <command> ...`: generate, chat, inspect, convert, demo, server,
+perplexity, compare."""
 
 import importlib
 import sys
@@ -11,6 +12,7 @@ COMMANDS = {
     "demo": "mlx_v41.cli.demo",
     "server": "mlx_v41.cli.server",
     "perplexity": "mlx_v41.cli.perplexity",
+    "compare": "mlx_v41.cli.compare",
 }
 USAGE = f"usage: python -m mlx_v41 {{{','.join(COMMANDS)}}} [options]  (options: <command> --help)"
 

@@ -101,25 +101,33 @@ def token_losses(logits: mx.array, targets: mx.array) -> mx.array:
 
 def sequence_losses(model, batch: mx.array, context: int = 0,
                     step_size: Optional[int] = None) -> mx.array:
-    """Next-token losses of the sequences batch [B, L]. `context` 0: every prediction, from one
-    forward over every row ([B, L - 1]). Else the first `context` tokens are a prompt,
-    prefilled with the model's prefill mode as generation does, and only the predictions
-    after it count ([B, L - context]): its last logits, then a forward over the rest
-    continuing its cache."""
+    """Next-token losses of the sequences batch [B, L]: [B, L - 1] for `context` 0, else
+    [B, L - context] (`scored_logits`)."""
+    return token_losses(scored_logits(model, batch, context, step_size)[0],
+                        batch[:, max(context, 1):])
+
+
+def scored_logits(model, batch: mx.array, context: int = 0, step_size: Optional[int] = None,
+                  taps: tuple = ()) -> tuple:
+    """(logits of the scored predictions of batch [B, L], the scoring forward's taps).
+    `context` 0: every prediction, from one forward over every row ([B, L - 1, V]). Else the
+    first `context` tokens are a prompt, prefilled with the model's prefill mode as
+    generation does, and only the predictions after it count ([B, L - context, V]): its last
+    logits, then a forward over the rest continuing its cache (the taps: that forward's)."""
     length = batch.shape[1]
     if not 0 <= context < length:
         raise ValueError(f"context must lie in [0, {length - 1}] for sequences of {length} "
                          f"tokens, got {context}")
     if context == 0:
-        logits = model.forward(batch[:, :-1], last_only=False, step_size=step_size).logits
-        return token_losses(logits, batch[:, 1:])
+        out = model.forward(batch[:, :-1], last_only=False, step_size=step_size, taps=taps)
+        return out.logits, out.taps
     cache = model.make_cache()
-    parts = [model.forward(batch[:, :context], cache, last_only=True,
-                           step_size=step_size).logits]
-    if context < length - 1:
-        parts.append(model.forward(batch[:, context:-1], cache, last_only=False,
-                                   step_size=step_size).logits)
-    return token_losses(mx.concatenate(parts, axis=1), batch[:, context:])
+    first = model.forward(batch[:, :context], cache, last_only=True, step_size=step_size).logits
+    if context == length - 1:
+        return first, None
+    out = model.forward(batch[:, context:-1], cache, last_only=False, step_size=step_size,
+                        taps=taps)
+    return mx.concatenate([first, out.logits], axis=1), out.taps
 
 
 def perplexity_stats(losses) -> tuple:

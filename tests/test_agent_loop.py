@@ -52,6 +52,7 @@ def check_cached(turns: list) -> None:
         assert 0 < prompt - cached < 40, (k, turns)  # the new turn only
 
 
+@pytest.mark.slow
 def test_chat_completions_loop_stays_cached(live):
     client = live.client()
     messages = [{"role": "user", "content": "Look at the repository (chat completions)."}]

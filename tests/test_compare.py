@@ -21,7 +21,7 @@ from mlx_v41.generation.perplexity import make_sequences, read_documents, scored
 from mlx_v41.kernels import Kernels
 
 from checkpoint_factory import write_checkpoint
-from conftest import golden_checkpoint, writable_copy
+from conftest import golden_checkpoint, slow, writable_copy
 from mlx_v41.checkpoint.random_checkpoint import tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -83,7 +83,7 @@ def assert_identical(result, max_tokens: int = 6):
     assert result.first_difference == [max_tokens] * len(PROMPTS)
 
 
-@pytest.mark.parametrize("kl_top_k", [0, 8])
+@pytest.mark.parametrize("kl_top_k", [0, slow(8)])
 def test_a_setting_against_itself_is_identical(reference, data, exact_record, kl_top_k):
     record = exact_record if kl_top_k == 0 else record_reference(
         reference, data, batch_size=3, kl_top_k=kl_top_k, prompts=PROMPTS, max_tokens=6)
@@ -93,6 +93,7 @@ def test_a_setting_against_itself_is_identical(reference, data, exact_record, kl
     assert [layer for layer, _, _ in result.ladder] == list(range(12))
 
 
+@pytest.mark.slow
 def test_a_smaller_top_k_diverges_by_the_numpy_kl(reference, data, exact_record):
     test = tiny(overrides={"index_topk": 4})
     result = compare(test, exact_record, batch_size=2)
@@ -132,6 +133,7 @@ def test_the_bf16_head_changes_the_logits_not_the_streams(reference, data, exact
     assert all(rms == 0.0 and cos == 1.0 for _, rms, cos in result.ladder)
 
 
+@pytest.mark.slow
 def test_prefill_modes_differ_only_where_the_replay_approximates(data):
     prompts = [data[0, :40].tolist()]
     record = record_reference(tiny(), data, context=36, kl_top_k=0, prompts=prompts,
@@ -182,6 +184,7 @@ def test_cli_json_against_itself_and_a_perturbation(tmp_path, capsys):
     assert "index_topk=4" in out and "| 11 |" in out
 
 
+@pytest.mark.slow
 def test_cli_reference_flags_apply_to_the_reference(tmp_path, capsys):
     path = corpus(tmp_path / "c.jsonl")
     code, out, _ = cli(capsys, "--model", GOLDEN, "--data-path", path, *SMALL, "--index-topk",

@@ -439,6 +439,7 @@ def test_reasoning_budget_then_answer(loaded):
         check_answer(reply.content, schema)
 
 
+@pytest.mark.slow
 def test_no_stop_while_reasoning(loaded):
     """With no budget, a processor before the constraint that pushes the stop token: the stop
     never comes before `</think>` (without the constraint it comes first)."""

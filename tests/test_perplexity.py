@@ -116,6 +116,7 @@ def test_the_bounded_replay_is_scored_as_an_approximation(data):
     assert not mx.allclose(a, b)
 
 
+@pytest.mark.slow
 def test_overrides_and_converted_folders(loaded, data, tmp_path):
     model, _ = loaded
     base = evaluate_perplexity(model, data, batch_size=5)

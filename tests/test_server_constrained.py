@@ -129,6 +129,7 @@ def test_required_and_named_tool_choice(client):
     assert len(calls) == 1
 
 
+@pytest.mark.slow
 def test_thinking_mode_constrains_after_the_reasoning(client):
     """Reasoning stays free (EOS banned until it closes); the answer after `</think>`
     validates."""

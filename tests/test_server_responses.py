@@ -104,6 +104,7 @@ def test_input_items_render_as_the_chat(live, client):
     assert live.hook.prompts[-1] == rendered(messages, thinking=True, effort="max")
 
 
+@pytest.mark.slow
 def test_parallel_function_calls_and_their_outputs_render_as_the_chat(live, client):
     """Consecutive function_call items are one assistant turn; their outputs, in any order,
     are its tool results."""

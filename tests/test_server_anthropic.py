@@ -385,6 +385,16 @@ def test_budget_sets_the_effort_line(live, budget, effort):
     assert rendered(live).startswith(cf.BOS + cf.SYSTEM + cf.EFFORT_LINE.format(effort))
 
 
+def test_the_format_is_rendered_into_the_system_message(live, client):
+    """As the official encoding renders a response format: the model is told the schema."""
+    text_format = {"type": "json_schema", "schema": {"type": "object"}}
+    client.messages.create(model=MODEL_ID, max_tokens=1, messages=HELLO, system="Be brief.",
+                           thinking=CHAT, extra_body={"output_config": {"format": text_format}})
+    prompt = live.engine.tokenizer.decode(live.hook.prompts[-1])
+    assert prompt.startswith(cf.BOS + cf.SYSTEM + "Be brief." + cf.RESPONSE_FORMAT_HEAD +
+                             json.dumps(text_format) + cf.USER + "Hello there")
+
+
 def test_output_config_effort_and_chat_mode(live, client):
     client.messages.create(model=MODEL_ID, max_tokens=4, messages=HELLO,
                            extra_body={"output_config": {"effort": "medium"}})

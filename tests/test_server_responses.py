@@ -381,6 +381,16 @@ def test_json_schema_answer_validates(client, seed):
     assert reply.text.format.type == "json_schema"
 
 
+def test_the_format_is_rendered_into_the_system_message(live, client):
+    """As the official encoding renders a response format: the model is told the schema."""
+    text_format = {"type": "json_object"}
+    client.responses.create(model=MODEL_ID, input="JSON, please.", reasoning=CHAT_MODE,
+                            max_output_tokens=1, text={"format": text_format})
+    prompt = live.engine.tokenizer.decode(live.hook.prompts[-1])
+    assert prompt.startswith(cf.BOS + cf.SYSTEM + cf.RESPONSE_FORMAT_HEAD + json.dumps(
+        text_format) + cf.USER + "JSON, please.")
+
+
 def test_json_object_answer_after_reasoning(live, client):
     """Thinking mode: the reasoning is free (here forced), the answer after it is JSON."""
     live.hook.add("brief", "ok" + cf.THINK_END, eos=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import Optional
 
 
@@ -188,3 +189,16 @@ def decode_settings(args) -> dict:
     return {"sampler": Sampling(args.temp, args.top_p, args.min_p, args.top_k),
             "draft": "dspark", "num_draft_tokens": args.num_draft_tokens,
             "draft_confidence": args.draft_confidence}
+
+
+def run_command(run, args) -> int:
+    """`run(args)` as a command runs it: Ctrl-C is exit status 130 and a ValueError or
+    OSError (a bad file, checkpoint, config or flag value) one line on stderr and status 1."""
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

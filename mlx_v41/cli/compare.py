@@ -25,7 +25,7 @@ from ..generation.compare import (DEFAULT_KL_TOP_K, check_same_tokens, compare,
 from ..generation.perplexity import make_sequences, read_documents
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
-from .args import HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser, _number
+from .args import HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser, _number, run_command
 
 DEFAULT_SEQUENCE_LENGTH = 512
 DEFAULT_NUM_SAMPLES = 16
@@ -205,14 +205,7 @@ def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
-    except (ValueError, OSError) as e:  # DataError, CompareError, CheckpointError, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_command(run, args)  # DataError, CompareError, CheckpointError: one line
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
 from ..generation.perplexity import evaluate_perplexity, make_sequences, read_documents
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
-from .args import (HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser, _number,
+from .args import (HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser, _number, run_command,
                    add_override_arguments, model_overrides)
 
 # mlx-lm's defaults (mlx_lm.perplexity).
@@ -102,14 +102,7 @@ def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
-    except (ValueError, OSError) as e:  # DataError, CheckpointError, ConfigError, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_command(run, args)  # DataError, CheckpointError, ConfigError: one line
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,11 +18,12 @@ from ..chat import format as cf
 from ..model.vision.prompt import ImagePrompt
 from . import anthropic_protocol as ap
 from .constraints import constraint_fields
-from .engine import Finish, Settings, Token
+from .engine import Finish, Token
 from .images import ImageReader
 from .messages import with_response_format
 from .processors import base_fields
 from .protocol import RequestError
+from .responses import new_id
 from .reply_parser import Delta, ReplyParser
 from .serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
 
@@ -40,10 +40,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 def error_body(status: int, message: str) -> dict:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 def signature(thinking: str) -> str:
@@ -117,20 +113,13 @@ def _submit(app: FastAPI, body: ap.MessagesRequest, rendered: Rendered):
         answer=ap.answer_schema(body), thinking=rendered.thinking, parallel=use.parallel,
         reasoning_budget=budget, params={"tools": "tools", "tool_choice": "tool_choice",
                                          "format": "output_config.format"})
-    config = app.state.config
-    settings = Settings(
-        max_tokens=body.max_tokens, temp=_pick(body.temperature, config.temp),
-        top_p=_pick(body.top_p, config.top_p), min_p=config.min_p,
-        top_k=_pick(body.top_k, config.top_k), seed=body.seed,
-        stops=list(body.stop_sequences or ()),
+    settings = app.state.config.settings(
+        max_tokens=body.max_tokens, temp=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, stops=list(body.stop_sequences or ()),
         processor_fields=base_fields(use.allow_calls, constraint=constraint,
                                      reasoning_budget=budget))
     [job] = submit(app, rendered.prompt, settings, param="messages", body=body)
     return job
-
-
-def _pick(value, default):
-    return default if value is None else value
 
 
 # ----------------------------------------------------------------------------- replies

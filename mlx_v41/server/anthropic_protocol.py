@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from ..generation.sequence import MAX_SEED
 from .images import ImageReader
-from .protocol import ContentPart, RequestError, check_text
+from .protocol import ContentPart, RequestError, StrictBody, check_text
 
 # thinking.budget_tokens below each bound takes that effort, a larger one "max" (V4.1's
 # low = 50, high = 75, max = 100): Claude Code's "think" (4,000) is low, "think hard"
@@ -27,28 +27,24 @@ ERROR_PREFIX = "Error:"  # the first line of a tool_result with is_error
 _UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic's union loc names
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class TextBlock(_Body):
+class TextBlock(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ImageSource(_Body):
+class ImageSource(StrictBody):
     type: Literal["base64", "url"]
     media_type: Optional[str] = None
     data: Optional[str] = None
     url: Optional[str] = None
 
 
-class ImageBlock(_Body):
+class ImageBlock(StrictBody):
     type: Literal["image"]
     source: ImageSource
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(StrictBody):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -58,20 +54,20 @@ class ToolUseBlock(_Body):
 ResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(StrictBody):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Union[str, list[ResultPart], None] = None
     is_error: bool = False
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(StrictBody):
     type: Literal["thinking"]
     thinking: str
     signature: Optional[str] = None  # accepted back, never checked
 
 
-class RedactedThinkingBlock(_Body):
+class RedactedThinkingBlock(StrictBody):
     type: Literal["redacted_thinking"]
     data: Optional[str] = None
 
@@ -82,40 +78,40 @@ USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 
 
-class Message(_Body):
+class Message(StrictBody):
     role: Literal["user", "assistant"]
     content: Union[str, list[Block]]
 
 
-class Tool(_Body):
+class Tool(StrictBody):
     name: str
     description: Optional[str] = None
     input_schema: Optional[dict] = None
     type: Optional[str] = None  # "custom" or absent; Anthropic's server tools are refused
 
 
-class ToolChoice(_Body):
+class ToolChoice(StrictBody):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: bool = False
 
 
-class Thinking(_Body):
+class Thinking(StrictBody):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Optional[int] = Field(None, ge=1)
     display: Optional[str] = None
 
 
-class OutputConfig(_Body):
+class OutputConfig(StrictBody):
     effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
     format: Optional[dict] = None
 
 
-class Metadata(_Body):
+class Metadata(StrictBody):
     user_id: Optional[str] = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(StrictBody):
     """`POST /v1/messages/count_tokens`: what makes the prompt."""
 
     model: Optional[str] = None

@@ -98,8 +98,10 @@ class _Turn:
                                        parallel=body.parallel_tool_calls, params=PARAMS)
         self.prompt = self._render(app, messages, specs, effort)
         self.items = history + new  # the conversation so far, as input items
-        self.settings = self._settings(config, body, base_fields(calls != "none", constraint))
-        self.builder = ResponseBuilder(_body(config, body, tools))
+        self.settings = config.settings(max_tokens=body.max_output_tokens, temp=body.temperature,
+                                        top_p=body.top_p, seed=body.seed,
+                                        processor_fields=base_fields(calls != "none", constraint))
+        self.builder = ResponseBuilder(_body(config, body, tools, self.settings))
 
     @staticmethod
     def _history(app: FastAPI, body: ResponsesRequest) -> list:
@@ -146,19 +148,9 @@ class _Turn:
             raise RequestError(str(e), param="input") from None
         return expanded_prompt(app, ids, cf.collect_images(messages), "input")
 
-    @staticmethod
-    def _settings(config, body: ResponsesRequest, fields: dict) -> Settings:
-        return Settings(max_tokens=body.max_output_tokens or config.max_tokens,
-                        temp=_pick(body.temperature, config.temp),
-                        top_p=_pick(body.top_p, config.top_p), min_p=config.min_p,
-                        top_k=config.top_k, seed=body.seed, processor_fields=fields)
 
 
-def _pick(value, default):
-    return default if value is None else value
-
-
-def _body(config, body: ResponsesRequest, tools: list) -> dict:
+def _body(config, body: ResponsesRequest, tools: list, settings: Settings) -> dict:
     """The response object before its output: the request's settings echoed."""
     text = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text \
         else {"type": "text"}
@@ -171,10 +163,10 @@ def _body(config, body: ResponsesRequest, tools: list) -> dict:
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                           "summary": None},
-            "store": body.store, "temperature": _pick(body.temperature, config.temp),
+            "store": body.store, "temperature": settings.temp,
             "text": {"format": text}, "tool_choice": body.tool_choice or "auto",
             "tools": [tool.model_dump() for tool in tools],
-            "top_p": _pick(body.top_p, config.top_p), "truncation": "disabled",
+            "top_p": settings.top_p, "truncation": "disabled",
             "usage": None, "user": body.user}
 
 

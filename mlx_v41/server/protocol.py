@@ -26,29 +26,31 @@ class RequestError(ValueError):
         self.status, self.param, self.code, self.kind = status, param, code, kind
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
+    """A request body of any API: strict types, unknown fields ignored, no NaN or Infinity."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class ContentPart(_Body):
+class ContentPart(StrictBody):
     type: str
     text: Optional[str] = None
     image_url: Optional[Any] = None  # {"url": "data:..."} or the URI itself
     image: Optional[Any] = None  # the same, under the name of the "image" part type
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictBody):
     name: str
     arguments: Union[str, dict] = ""
 
 
-class ToolCall(_Body):
+class ToolCall(StrictBody):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     tool_calls: Optional[list[ToolCall]] = None
@@ -57,23 +59,23 @@ class ChatMessage(_Body):
     reasoning: Optional[str] = None  # the same text under the name some clients send back
 
 
-class FunctionSpec(_Body):
+class FunctionSpec(StrictBody):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     name: str
     description: Optional[str] = None
     parameters: Optional[dict] = None
 
 
-class Tool(_Body):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Generation(_Body):
+class _Generation(StrictBody):
     """Fields shared by chat completions and completions."""
 
     model: Optional[str] = None

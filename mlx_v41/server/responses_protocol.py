@@ -9,22 +9,18 @@ import json
 from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from .images import IMAGE_PART_TYPES, ImageReader
 from .messages import thinking_mode
 from . import protocol
-from .protocol import MAX_SEED, ContentPart, RequestError
+from .protocol import MAX_SEED, ContentPart, RequestError, StrictBody
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 NOT_SUPPORTED = ("background", "conversation", "prompt")  # fields refused when set
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class FunctionTool(_Body):
+class FunctionTool(StrictBody):
     type: Literal["function"]
     name: str
     description: Optional[str] = None
@@ -32,7 +28,7 @@ class FunctionTool(_Body):
     strict: Optional[bool] = None
 
 
-class TextFormat(_Body):
+class TextFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: Optional[str] = None
     schema_: Optional[dict] = Field(None, alias="schema")
@@ -40,17 +36,17 @@ class TextFormat(_Body):
     strict: Optional[bool] = None
 
 
-class TextConfig(_Body):
+class TextConfig(StrictBody):
     format: TextFormat = TextFormat()
     verbosity: Optional[str] = None
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(StrictBody):
     effort: Union[str, int, None] = None
     summary: Optional[str] = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(StrictBody):
     model: Optional[str] = None
     input: Union[str, list[dict]]
     instructions: Optional[str] = None
@@ -76,37 +72,37 @@ class ResponsesRequest(_Body):
 
 # ----------------------------------------------------------------------------- input items
 
-class InputPart(_Body):
+class InputPart(StrictBody):
     type: str
     text: Optional[str] = None
     image_url: Optional[Any] = None
 
 
-class MessageItem(_Body):
+class MessageItem(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[str, list[InputPart]]
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(StrictBody):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(StrictBody):
     type: Literal["function_call_output"]
     call_id: str
     output: Union[str, list[InputPart]]
 
 
-class ReasoningPart(_Body):
+class ReasoningPart(StrictBody):
     type: str
     text: str
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(StrictBody):
     type: Literal["reasoning"]
     summary: list[ReasoningPart] = []
     content: Optional[list[ReasoningPart]] = None

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from ..chat import format as cf
 from ..model.vision.prompt import ImagePrompt
-from .engine import Engine, EngineBusy, EngineClosed, Settings, Token
+from .engine import Engine, EngineBusy, EngineClosed, Token
 from .images import ImageReader
 from .messages import (allows_tool_calls, chat_messages, request_constraint, thinking_mode,
                        with_response_format)
@@ -211,18 +211,11 @@ def _submit(app: FastAPI, body, prompt: ImagePrompt, allow_calls: bool,
     fields = processor_fields(body, app.state.engine.model.args.text_config.vocab_size,
                               allow_calls)
     fields["constraint"] = constraint
-    config, pick = app.state.config, _pick
-    settings = Settings(max_tokens=pick(body.token_limit(), config.max_tokens),
-                        temp=pick(body.temperature, config.temp),
-                        top_p=pick(body.top_p, config.top_p),
-                        min_p=pick(body.min_p, config.min_p), top_k=pick(body.top_k, config.top_k),
-                        seed=body.seed, stops=body.stops(), logprobs=body.logprob_count(),
-                        processor_fields=fields)
+    settings = app.state.config.settings(
+        max_tokens=body.token_limit(), temp=body.temperature, top_p=body.top_p,
+        min_p=body.min_p, top_k=body.top_k, seed=body.seed, stops=body.stops(),
+        logprobs=body.logprob_count(), processor_fields=fields)
     return submit(app, prompt, settings, n=body.n, param=param, body=body)
-
-
-def _pick(value, default):
-    return default if value is None else value
 
 
 async def _merged(streams: list, body, jobs: list, chat: Optional[out.ChatStream],

@@ -46,6 +46,16 @@ class ServerConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_prompt_tokens: Optional[int] = None
 
+    def settings(self, *, max_tokens: Optional[int] = None, temp: Optional[float] = None,
+                 top_p: Optional[float] = None, min_p: Optional[float] = None,
+                 top_k: Optional[int] = None, **fields) -> Settings:
+        """A request's `Settings`: each value it leaves out (None) is this server's."""
+        def pick(value, default):
+            return default if value is None else value
+        return Settings(max_tokens=pick(max_tokens, self.max_tokens), temp=pick(temp, self.temp),
+                        top_p=pick(top_p, self.top_p), min_p=pick(min_p, self.min_p),
+                        top_k=pick(top_k, self.top_k), **fields)
+
     def check_model(self, name: Optional[str]) -> None:
         if name not in (None, self.model_id, Path(self.model_id).name, DEFAULT_MODEL_ALIAS):
             raise RequestError(f"the model {name!r} does not exist: this server serves "

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mlx_v41
@@ -153,3 +154,16 @@ def goldens():
         return cache[name]
 
     return get
+
+
+CORPUS_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box jam".split()
+
+
+def corpus(path, documents: int = 12, words: int = 30):
+    """A jsonl file of `documents` texts of `words` random words (seeded): data for the
+    perplexity and compare tests."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(documents):
+            f.write(json.dumps({"text": " ".join(rng.choice(CORPUS_WORDS, words))}) + "\n")
+    return path

@@ -21,23 +21,14 @@ from mlx_v41.generation.perplexity import make_sequences, read_documents, scored
 from mlx_v41.kernels import Kernels
 
 from checkpoint_factory import write_checkpoint
-from conftest import golden_checkpoint, slow, writable_copy
+from conftest import corpus, golden_checkpoint, slow, writable_copy
 from mlx_v41.checkpoint.random_checkpoint import tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = golden_checkpoint("tiny")  # vocabulary 512, window 16, index top-16
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box jam".split()
 PROMPTS = ([0, 5, 9, 300, 17, 4, 4, 4, 100, 200, 300, 400, 7, 8, 9, 10, 11, 12, 13, 14],)
-
-
-def corpus(path, documents: int = 12, words: int = 30):
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for _ in range(documents):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, words))}) + "\n")
-    return path
 
 
 def tiny(**kwargs):

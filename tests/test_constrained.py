@@ -571,18 +571,21 @@ def test_dspark_sampled_validates(drafting):
 
 
 @pytest.mark.slow
-def test_batch_mixed_constraints_equal_batch_one(loaded):
-    """Greedy: different schemas per sequence and an unconstrained one; each constrained
-    reply validates and every sequence emits its batch-1 tokens."""
-    model, tokenizer = loaded
+@pytest.mark.parametrize("draft, names", [(None, ["escapes", None, "optional"]),
+                                          ("dspark", ["escapes", None, "array"])])
+def test_batch_mixed_constraints_equal_batch_one(request, draft, names):
+    """Greedy, with and without DSpark drafts: different schemas per sequence and an
+    unconstrained one; each constrained reply validates and every sequence emits its
+    plain batch-1 tokens."""
+    model, tokenizer = request.getfixturevalue("drafting" if draft else "loaded")
     prompt = chat(tokenizer)
-    names = ["escapes", None, "optional"]
     makers = [None if n is None else constraint(tokenizer, answer_grammar(tokenizer,
                                                                           ANSWERS[n]))
               for n in names]
     limits = [MAX_TOKENS if m else 40 for m in makers]
     runs = batch(model, tokenizer, [prompt] * len(names),
-                 [[] if m is None else [m.processor()] for m in makers], max_tokens=limits)
+                 [[] if m is None else [m.processor()] for m in makers], max_tokens=limits,
+                 draft=draft)
     for name, made, limit, (tokens, finish) in zip(names, makers, limits, runs):
         alone = stream(model, tokenizer, prompt, None if made is None else
                        [made.processor()], max_tokens=limit)
@@ -600,26 +603,6 @@ def test_batch_sampled_equals_seeded_batch_one(loaded):
     for seed, run in zip([3, 4], runs):
         assert run == stream(model, tokenizer, chat(tokenizer), [made.processor()],
                              seed=seed, sampler=make_sampler(1.0))
-
-
-@pytest.mark.slow
-def test_batch_dspark_constrained_equals_plain(drafting):
-    model, tokenizer = drafting
-    prompt = chat(tokenizer)
-    names = ["escapes", None, "array"]
-    makers = [None if n is None else constraint(tokenizer, answer_grammar(tokenizer,
-                                                                          ANSWERS[n]))
-              for n in names]
-    limits = [MAX_TOKENS if m else 40 for m in makers]
-    runs = batch(model, tokenizer, [prompt] * len(names),
-                 [[] if m is None else [m.processor()] for m in makers], max_tokens=limits,
-                 draft="dspark")
-    for name, made, limit, (tokens, finish) in zip(names, makers, limits, runs):
-        alone = stream(model, tokenizer, prompt, None if made is None else
-                       [made.processor()], max_tokens=limit)
-        assert (tokens, finish) == alone, name
-        if made is not None:
-            check_answer(stopped_text(tokenizer, tokens, finish), ANSWERS[name])
 
 
 # ---------------------------------------------------------------- errors and rollback

@@ -3,7 +3,6 @@ model's logits in plain numpy, the standard error on a hand example, one setting
 bit for bit, the prompt part that a prefill mode runs, converted folders and overrides, the
 command's output, and one-line errors for bad data files. On the CPU's reference ops."""
 
-import json
 import math
 import subprocess
 import sys
@@ -20,20 +19,11 @@ from mlx_v41.generation.perplexity import (DataError, evaluate_perplexity, make_
                                            token_losses)
 from mlx_v41.kernels import Kernels
 
-from conftest import golden_checkpoint
+from conftest import CORPUS_WORDS, corpus, golden_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
 GOLDEN = golden_checkpoint("tiny")  # vocabulary 512, window 16
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box jam".split()
-
-
-def corpus(path, documents: int = 12, words: int = 30):
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for _ in range(documents):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, words))}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +212,7 @@ def test_console_script():
 @pytest.mark.slow
 def test_the_module_runs_in_a_subprocess(tmp_path):
     path = tmp_path / "book.txt"
-    path.write_text(" ".join(WORDS * 20))
+    path.write_text(" ".join(CORPUS_WORDS * 20))
     done = subprocess.run([sys.executable, "-m", "mlx_v41.cli.perplexity", "--model",
                            str(GOLDEN), "--data-path", str(path), "--sequence-length", "64",
                            "--num-samples", "-1"], capture_output=True, text=True, timeout=300)

@@ -69,7 +69,7 @@ def add_routes(app: FastAPI) -> None:
         app.state.config.check_model(body.model)
         rendered = render(app, body)
         job = _submit(app, body, rendered)
-        reply = _Reply(app, body, rendered, job)
+        reply = _Reply(app, rendered, job)
         if body.stream:
             return sse_response(reply.events(), [job])
         return await until_done(request, [job], reply.message())
@@ -135,10 +135,9 @@ def usage(finish: Finish) -> dict:
 class _Reply:
     """One request's reply: the whole message, or its stream of events."""
 
-    def __init__(self, app: FastAPI, body: ap.MessagesRequest, rendered: Rendered, job):
-        self.job, self.rendered, self.stops = job, rendered, list(body.stop_sequences or ())
+    def __init__(self, app: FastAPI, rendered: Rendered, job):
+        self.job, self.rendered = job, rendered
         self.model, self.id = app.state.config.model_id, new_id("msg_")
-        self.tokenizer, self.token_text = app.state.engine.tokenizer, app.state.token_text
 
     def shell(self, content: list, stop: tuple, usage_: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -151,29 +150,17 @@ class _Reply:
         for d in parser.feed("".join(t.text for t in tokens) + finish.text) + parser.finish():
             blocks.feed(d)
         blocks.close()
-        return self.shell(blocks.content, self.stop(tokens, finish, blocks.calls > 0),
+        return self.shell(blocks.content, self.stop(finish, blocks.calls > 0),
                           usage(finish))
 
-    def stop(self, tokens: list, finish: Finish, has_calls: bool) -> tuple:
+    @staticmethod
+    def stop(finish: Finish, has_calls: bool) -> tuple:
         """(stop_reason, stop_sequence)."""
         if finish.reason == "length":
             return "max_tokens", None
-        matched = self.matched_stop(tokens, finish)
-        if matched is not None:
-            return "stop_sequence", matched
+        if finish.stop_sequence is not None:
+            return "stop_sequence", finish.stop_sequence
         return ("tool_use" if has_calls else "end_turn"), None
-
-    def matched_stop(self, tokens: list, finish: Finish) -> Optional[str]:
-        """The stop sequence that ended the reply: the engine cut the text just before it,
-        so the tokens' whole text continues with it there (None: EOS ended it)."""
-        if finish.reason != "stop" or not self.stops or not tokens \
-                or tokens[-1].token in self.tokenizer.eos_token_ids:
-            return None
-        released = "".join(t.text for t in tokens) + finish.text
-        raw = b"".join(self.token_text.bytes(t.token) for t in tokens).decode(
-            "utf-8", errors="replace")
-        rest = raw[len(released):]
-        return next((s for s in self.stops if s and rest.startswith(s)), None)
 
     async def events(self):
         """Anthropic's event stream; an error once it started is its last event."""
@@ -183,13 +170,11 @@ class _Reply:
                                               "cache_read_input_tokens": 0})
         yield sse("message_start", {"type": "message_start", "message": start})
         yield sse("ping", {"type": "ping"})
-        parser, blocks, tokens = ReplyParser(self.rendered.thinking), BlockStream(), []
+        parser, blocks = ReplyParser(self.rendered.thinking), BlockStream()
         try:
             async for event in self.job.events():
                 deltas = parser.feed(event.text)
-                if isinstance(event, Token):
-                    tokens.append(event)
-                else:
+                if not isinstance(event, Token):
                     deltas += parser.finish()
                 for d in deltas:
                     for text in blocks.feed(d):
@@ -201,7 +186,7 @@ class _Reply:
         for text in blocks.close():
             yield text
         finish = self.job.finish
-        reason, sequence = self.stop(tokens, finish, blocks.calls > 0)
+        reason, sequence = self.stop(finish, blocks.calls > 0)
         yield sse("message_delta", {"type": "message_delta", "delta": {
             "stop_reason": reason, "stop_sequence": sequence}, "usage": usage(finish)})
         yield sse("message_stop", {"type": "message_stop"})

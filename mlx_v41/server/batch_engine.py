@@ -280,7 +280,8 @@ class BatchEngine(Engine):
         log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s), %d generated, %s "
                  "(batch of %d)", len(prompt.ids), run.cached, len(run.todo),
                  run.prefill_seconds, len(run.tokens), reason, len(self.running) + 1)
-        self._end(run.job, Finish(reason, len(prompt.ids), len(run.tokens), run.cached, tail))
+        self._end(run.job, Finish(reason, len(prompt.ids), len(run.tokens), run.cached, tail,
+                                  stop_sequence=run.stops.matched))
 
     def _end(self, job: Job, result) -> None:
         if isinstance(result, Finish):

@@ -74,6 +74,7 @@ class Finish:
     cached_tokens: int
     text: str = ""
     index: int = 0  # the choice (OpenAI's `n`)
+    stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
 
 
 class StopStrings:
@@ -81,13 +82,15 @@ class StopStrings:
 
     def __init__(self, stops):
         self.stops, self.pending = [s for s in stops if s], ""
+        self.matched: Optional[str] = None  # the stop string found (first in the text)
 
     def feed(self, text: str) -> tuple:
         """(text safe to release, whether a stop string was reached)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         keep = held_suffix(self.pending, self.stops)
         out, self.pending = self.pending[:len(self.pending) - keep], \
@@ -314,17 +317,18 @@ class Engine:
         state.tokens.extend(todo)
         state.images = records
         snapshot = state.copy()  # the prompt: a thinking-mode next turn resumes here
-        tokens, reason, tail = self._decode(job, state, logits, len(todo), seconds)
+        tokens, reason, tail, matched = self._decode(job, state, logits, len(todo), seconds)
         state.tokens.extend(tokens)
         # Only now: a failed request leaves the store as it was.
         self._keep([snapshot, state if align_to_tokens(state) else None])
         log.info("%s%d prompt tokens (%d cached, %d prefilled in %.2f s, %d images), %d "
                  "generated, %s", self.label, len(prompt.ids), cached, len(todo), seconds,
                  len(records), len(tokens), reason)
-        return Finish(reason, len(prompt.ids), len(tokens), cached, tail)
+        return Finish(reason, len(prompt.ids), len(tokens), cached, tail, stop_sequence=matched)
 
     def _decode(self, job: Job, state, logits, prefilled: int, seconds: float) -> tuple:
-        """Stream the reply's tokens to the job; (tokens, finish reason, held text)."""
+        """Stream the reply's tokens to the job; (tokens, finish reason, held text, the stop
+        string that ended it or None)."""
         settings, stops = job.settings, StopStrings(job.settings.stops)
         tokens, reason = [], "length"
         responses = stream_decode(
@@ -339,12 +343,12 @@ class Engine:
                 job.put(Token(text, response.token, *self._logprobs(response, settings.logprobs)))
                 reason = response.finish_reason or reason
                 if is_stopped:
-                    return tokens, "stop", ""
+                    return tokens, "stop", "", stops.matched
                 if self._is_cancelled(job):
-                    return tokens, "cancelled", ""
+                    return tokens, "cancelled", "", None
         finally:
             responses.close()
-        return tokens, reason, stops.pending
+        return tokens, reason, stops.pending, None
 
     def _sampler(self, settings: Settings):
         top_k = max(settings.top_k, 0)

@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from .api import generate_step, prefill
-from .perplexity import scored_logits
+from .perplexity import perplexity_stats, scored_logits
+from .prompt_reuse import common_prefix
 
 # Default reference log-probabilities kept per position (0: the whole vocabulary, exact KL).
 DEFAULT_KL_TOP_K = 128
@@ -303,7 +304,7 @@ def compare(model, record: ReferenceRecord, *, batch_size: int = 8,
         perplexity=_perplexity(target_lp), reference_perplexity=_perplexity(
             record.target_logprob),
         ladder=ladder(record, rows) if record.ladder else [],
-        first_difference=[_common_prefix(a, b) for a, b in zip(tokens, record.tokens)],
+        first_difference=[common_prefix(a, b) for a, b in zip(tokens, record.tokens)],
         max_tokens=max_tokens, speed=speed, reference_speed=record.speed)
 
 
@@ -312,11 +313,4 @@ def _mean_delta(test: np.ndarray, reference: np.ndarray) -> float:
 
 
 def _perplexity(target_logprob: np.ndarray) -> float:
-    return math.exp(-float(np.mean(target_logprob.astype(np.float64))))
-
-
-def _common_prefix(a: list, b: list) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+    return perplexity_stats(-target_logprob)[0]

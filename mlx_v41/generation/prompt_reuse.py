@@ -17,7 +17,8 @@ from ..cache.persistence import copy_cache, stage_prompt_cache
 from .group import ONE_PROCESS, ProcessGroup
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -65,7 +66,7 @@ class PromptCache:
         leaves at least one prompt token to run (its logits start the reply). Returns the
         tokens kept, or None (the cache unchanged) when the rollback is more than the cache
         can undo exactly."""
-        return self.rewind_to(kept_prefix(_common_prefix(self.tokens, prompt), len(prompt),
+        return self.rewind_to(kept_prefix(common_prefix(self.tokens, prompt), len(prompt),
                                           self.images, images))
 
     def rewind_to(self, keep: int) -> Optional[int]:

@@ -143,6 +143,7 @@ def test_thinking_mode_constrains_after_the_reasoning(client):
 
 
 def test_bad_constraints_are_openai_errors_and_the_server_stays_healthy(live, client):
+    """Each refused before any work: the prompt caches are as they were."""
     cases = [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "nope"),
@@ -156,6 +157,7 @@ def test_bad_constraints_are_openai_errors_and_the_server_stays_healthy(live, cl
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "array"}}}], "tool_choice": "required"}, "tools", "object"),
     ]
+    entries = [(e.state.tokens, e.nbytes) for e in live.store.entries]
     for extra, param, words in cases:
         status, body = post(live.port, "/v1/chat/completions",
                             {"messages": USER, "max_tokens": 5, **extra})
@@ -164,6 +166,7 @@ def test_bad_constraints_are_openai_errors_and_the_server_stays_healthy(live, cl
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=5,
                                        response_format=json_format({"type": "frob"}))
+    assert [(e.state.tokens, e.nbytes) for e in live.store.entries] == entries
     assert get(live.port, "/health") == (200, {"status": "ok"})
     reply = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200,
                                            seed=0, response_format=json_format(RECORD),

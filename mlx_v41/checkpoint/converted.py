@@ -25,6 +25,7 @@ from .loader import data_start, engram_tables, no_dspark, no_vision
 from ..errors import CheckpointError
 from .placement import WHOLE, Placement
 from .safetensors_io import SafetensorsFile
+from .streaming import converted_regions
 
 MANIFEST = "mlx_v41_convert.json"
 FORMAT_PREFIX = "mlx_v41.convert/"
@@ -59,7 +60,8 @@ def _checked_file(folder: Path, manifest: dict, name: str) -> Path:
     return path
 
 
-def _load_weights(model, folder: Path, manifest: dict, placement: Placement) -> None:
+def _load_weights(model, folder: Path, manifest: dict, placement: Placement,
+                  streaming=None) -> None:
     params = dict(tree_flatten(model.parameters()))
     loaded = {}
     modules = {}  # path -> module, for the tensors this process reads a share of
@@ -69,7 +71,14 @@ def _load_weights(model, folder: Path, manifest: dict, placement: Placement) -> 
     tower = manifest.get("extras", {}).get("vision", []) if "vision" in model else []
     for name in manifest["weights"] + drafter + tower:
         path = _checked_file(folder, manifest, name)
+        header = None
         for key, value in mx.load(str(path)).items():
+            switch = key.rpartition(".")[0].rpartition(".")[0]
+            if streaming is not None and streaming.owns(switch):  # left in the file
+                header = header or SafetensorsFile(path)
+                spec = placement.shard(key.rpartition(".")[0])
+                converted_regions(streaming, header, path, key, spec.start if spec else 0)
+                continue
             if key not in params and placement.is_partial:
                 continue  # another rank's tensor (mx.load reads lazily)
             if key not in params:
@@ -126,9 +135,10 @@ def _attach_tables(model, folder: Path, manifest: dict) -> None:
         table.attach(EngramRows.from_packed(files))
 
 
-def load_converted(model, folder, placement: Placement = WHOLE) -> np.ndarray | None:
+def load_converted(model, folder, placement: Placement = WHOLE,
+                   experts=None) -> np.ndarray | None:
     """Fill `model` from a converted folder; -> the Engram token map (None without Engram).
-    `placement`: as `loader.load_weights`'s."""
+    `placement`, `experts`: as `loader.load_weights`'s."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if "dspark" in model and not manifest.get("dspark"):
@@ -144,7 +154,8 @@ def load_converted(model, folder, placement: Placement = WHOLE) -> np.ndarray | 
         configure_quantization(model, quantization)
     except ValueError as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
-    _load_weights(model, folder, manifest, placement)
+    streaming = experts(model) if experts is not None else None
+    _load_weights(model, folder, manifest, placement, streaming)
     _attach_tables(model, folder, manifest)
     token_map = manifest.get("engram", {}).get("token_map")
     if token_map is None:

@@ -100,7 +100,8 @@ def _drafts_fit(cfg) -> bool:
 def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: str = "ced",
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
                vision: Optional[bool] = None, head_dtype: str = "float32",
-               placement: Optional[Placement] = None, overrides: Optional[dict] = None):
+               placement: Optional[Placement] = None, overrides: Optional[dict] = None,
+               expert_memory="auto", expert_policy: str = "lfru", expert_threads: int = 8):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -136,6 +137,17 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             the window at most the checkpoint's. A ConfigError names the key of an unknown
             key or a value the weights cannot honour. Recorded as `model.overrides` (the
             values that differ from the checkpoint's), which prompt caches compare.
+        expert_memory: the routed experts' memory (docs/memory.md): "auto" (default:
+            resident when the weights fit the machine's working set with room for the
+            caches, else streamed in the room left), "resident", or a budget (bytes, or a
+            string such as "48GB", "512MB"): at most that many bytes of experts are held in
+            slots, the others read from the folder's files when routed; the logits are the
+            resident model's bits. A budget below one expert per layout or above all the
+            experts is a ValueError. `model.expert_plan.line()` says what was chosen;
+            `model.expert_store` (None when resident) holds the slots and their `stats`.
+        expert_policy: which slot a missing expert takes: "lfru" (default: decayed use
+            count) or "lru".
+        expert_threads: concurrent reads of a streamed load.
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -143,6 +155,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     from ..model.engram_hash import EngramHasher
     from .loader import load_weights
     from .placement import WHOLE
+    from .streaming import setup
 
     folder = Path(path)
     if not folder.is_dir():
@@ -161,11 +174,21 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     model = placement.build(args, compat_reference_index_k_bug=compat_reference_index_k_bug,
                             prefill_mode=prefill_mode, ced_rollback=ced_rollback,
                             dspark=dspark, vision=vision, head_dtype=head_dtype)
+    streaming = None
+
+    def experts(built):  # once the quantized layouts are final, before any tensor is read
+        nonlocal streaming
+        model.expert_plan, streaming = setup(built, expert_memory, args.text_config)
+        return streaming
+
+    model.expert_store = None
     token_map = None
     if is_converted(folder):
-        token_map = load_converted(model, folder, placement)
+        token_map = load_converted(model, folder, placement, experts)
     else:
-        load_weights(model, folder, placement)
+        load_weights(model, folder, placement, experts)
+    if streaming is not None:
+        streaming.finish(model, expert_policy, expert_threads)
     if args.text_config.engram_layer_ids:
         if token_map is None:
             token_map = _token_map(folder, args.text_config)

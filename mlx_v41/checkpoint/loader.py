@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model.engram import EngramRows, EngramTable
+from ..model.expert_reader import Region
 from ..numerics.quant import fp4_to_mxfp4, fp8_blocks_to_mxfp8
 from . import slicing
 from ..errors import CheckpointError
@@ -370,12 +371,41 @@ def _attach_table(shards: _Shards, table: EngramTable, base: str) -> None:
     table.attach(EngramRows.from_regions([tuple(regions)]))
 
 
-def load_weights(model, folder, placement: Placement = WHOLE) -> dict:
+def expert_regions(shards: _Shards, streaming, target: str, entries: list, shard=None) -> None:
+    """Where each routed expert of one projection `target` lies (a streamed load reads them
+    when routed): its packed FP4 weight and E8M0 scale tensors, checked like a resident
+    load's, are byte for byte the slots' mxfp4 weight and scales."""
+    switch, _, proj = target.rpartition(".")
+    count = streaming.count(switch)
+    first = 0 if shard is None else shard.start
+    by_id = {int(m.group(2)): base for _, base, m in entries}
+    expected = count if shard is None else shard.total
+    for e in range(expected):
+        if e not in by_id:
+            base = entries[0][1].rsplit(".", 2)[0]
+            raise CheckpointError(f"tensor {base}.{e}.{entries[0][1].rsplit('.', 1)[1]} "
+                                  f"(routed expert {e} of {expected}) is missing")
+    for i in range(count):
+        base = by_id[first + i]
+        for suffix, leaf in ((".weight", "weight"), (".scale", "scales")):
+            name = base + suffix
+            f = shards.check_dtype(name, "fp4_expert")
+            part = streaming.part(switch, proj, leaf)
+            begin, end = f.entries[name]["data_offsets"]
+            if end - begin != part.nbytes:
+                raise CheckpointError(f"tensor {name} has shape {f.shape(name)}, unlike the "
+                                      f"config's routed experts ({part.nbytes} bytes each)")
+            streaming.add(switch, proj, leaf, i, Region(str(f.path), f.start + begin,
+                                                        end - begin, name, leaf == "scales"))
+
+
+def load_weights(model, folder, placement: Placement = WHOLE, experts=None) -> dict:
     """Fill `model` from a published-layout folder; returns {dropped tensor: reason}.
 
     Engram tables are memory-mapped (never copied into memory); everything else is loaded.
     `placement`: which tensors, and which share of each, this process reads (every one whole
-    by default; a rank of a group passes its own).
+    by default; a rank of a group passes its own). `experts(model)`: an `ExpertStreaming`
+    whose routed experts stay in the files (their regions recorded), or None.
     """
     folder = Path(folder)
     index = read_index(folder)
@@ -384,14 +414,20 @@ def load_weights(model, folder, placement: Placement = WHOLE) -> dict:
     if "vision" in model and not has_group(index, "vision"):
         raise no_vision(folder, "the checkpoint has none")
     used, dropped = plan(index, dspark="dspark" in model, vision="vision" in model)
+    streaming = experts(model) if experts is not None else None
     params = dict(tree_flatten(model.parameters()))
     tables = engram_tables(model)
     shards = _Shards(index)
     loaded, attached = {}, set()
+    streamed = {t for t, e in used.items() if e[0][0] == "fp4_expert" and streaming is not None
+                and streaming.owns(t.rpartition(".")[0])}
     if placement.is_partial:  # other ranks' tensors stay unread
         used = {t: e for t, e in used.items()
-                if t in params or f"{t}.weight" in params or t in tables}
+                if t in params or f"{t}.weight" in params or t in tables or t in streamed}
     for target, entries in used.items():
+        if target in streamed:
+            expert_regions(shards, streaming, target, entries, placement.shard(target))
+            continue
         if entries[0][0] == "fp8_rows":
             if target not in tables:
                 raise CheckpointError(f"tensor {entries[0][1]} maps to {target}, which this "

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 STORAGE = {
     "BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4),
     "F64": (np.float64, 8), "I64": (np.int64, 8), "I32": (np.int32, 4), "I16": (np.int16, 2),
+    "U32": (np.uint32, 4),
     "I8": (np.uint8, 1), "U8": (np.uint8, 1), "BOOL": (np.bool_, 1),
     "F8_E4M3": (np.uint8, 1), "F8_E8M0": (np.uint8, 1),
 }
@@ -73,6 +74,11 @@ class SafetensorsFile:
 
     def keys(self):
         return list(self.entries)
+
+    @property
+    def start(self) -> int:
+        """Byte offset of the payload (a tensor's `data_offsets` count from it)."""
+        return self._start
 
     def dtype(self, name) -> str:
         return self.entries[name]["dtype"]

@@ -47,7 +47,7 @@ def _download(repo: str) -> Path:
 def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: bool = False,
          ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
          vision: Optional[bool] = None, head_dtype: str = "float32", placement=None,
-         overrides: Optional[dict] = None):
+         overrides: Optional[dict] = None, expert_memory="auto", **expert_options):
     """Load a model and its tokenizer (`placement`: see load_model).
 
     Args:
@@ -62,6 +62,9 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
         head_dtype: "float32" (default, the reference's LM head) or "bfloat16" (see load_model).
         overrides: load-time values of `index_topk`, `candidate_topk_blocks`,
             `sliding_window` (see load_model).
+        expert_memory: "auto" (default), "resident" or a budget such as "48GB": the routed
+            experts held in memory, the rest streamed from the folder (see load_model, whose
+            `expert_policy` and `expert_threads` pass through too).
     Returns:
         (model, tokenizer): the `Model` and a `tokenizer.Tokenizer` (mlx-lm's TokenizerWrapper).
     Raises:
@@ -77,5 +80,5 @@ def load(path_or_repo, prefill_mode: str = "ced", compat_reference_index_k_bug: 
     model = load_model(folder, compat_reference_index_k_bug=compat_reference_index_k_bug,
                        prefill_mode=prefill_mode, ced_rollback=ced_rollback, dspark=dspark,
                        vision=vision, head_dtype=head_dtype, placement=placement,
-                       overrides=overrides)
+                       overrides=overrides, expert_memory=expert_memory, **expert_options)
     return model, tokenizer

@@ -10,6 +10,7 @@ import sys
 from typing import Optional
 
 
+from ..checkpoint.streaming import AUTO, RESIDENT, parse_memory_size
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
 from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
@@ -133,6 +134,50 @@ def model_overrides(args) -> Optional[dict]:
             if getattr(args, flag, None) is not None} or None
 
 
+def expert_memory_value(text: str):
+    """argparse type of `--expert-memory`."""
+    if text in (AUTO, RESIDENT):
+        return text
+    try:
+        return parse_memory_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 48GB, 512MB, "
+                                         "a number of bytes), 'auto' or 'resident'") from None
+
+
+EXPERT_MEMORY_HELP = ("routed experts held in memory: auto (default: resident when the weights "
+                      "fit this machine's working set, else streamed from the model folder), "
+                      "resident, or a budget such as 48GB or 512MB (the rest read from SSD "
+                      "when routed; the output is the same) (docs/memory.md)")
+
+
+def add_expert_arguments(parser) -> None:
+    """`--expert-memory`: the routed experts held in memory, the rest streamed (every command
+    that loads a model)."""
+    parser.add_argument("--expert-memory", type=expert_memory_value, default="auto",
+                        metavar="SIZE", help=EXPERT_MEMORY_HELP)
+
+
+def load_options(args) -> dict:
+    """The `load` keywords of the override and expert flags."""
+    return {"overrides": model_overrides(args),
+            "expert_memory": getattr(args, "expert_memory", "auto")}
+
+
+def report_experts(model, file=None) -> None:
+    """The one line saying whether the experts are resident or streamed, and why."""
+    plan = getattr(model, "expert_plan", None)
+    group = getattr(model, "group", None)
+    if plan is not None and (group is None or group.link.rank == 0):
+        print(plan.line(), file=file or sys.stderr)
+
+
+def expert_stats_line(model) -> Optional[str]:
+    """mlx-lm style stats line of a streamed model's expert cache (None when resident)."""
+    store = getattr(model, "expert_store", None)
+    return None if store is None else f"Experts: {store.stats.summary()}"
+
+
 def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
     """The flags `mlx_v41.generate` and `mlx_v41.chat` share (mlx-lm's names)."""
     add = parser.add_argument
@@ -159,6 +204,7 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
     add("--prefill-mode", choices=PREFILL_MODES, default="ced", help=PREFILL_MODE_HELP)
     add("--head-dtype", choices=HEAD_DTYPES, default="float32", help=HEAD_DTYPE_HELP)
     add_override_arguments(parser)
+    add_expert_arguments(parser)
     add("--thinking", action=argparse.BooleanOptionalAction, default=True,
         help="thinking mode (the reply reasons before answering; default) or chat mode")
     add("--reasoning-effort", type=_effort, default=None,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .args import ArgumentParser, add_model_arguments, decode_settings, model_overrides
+from .args import (ArgumentParser, add_model_arguments, decode_settings, load_options,
+                   report_experts)
 from ..checkpoint.source import load
 from ..chat.session import DEFAULT_MAX_TOKENS, ChatSession, format_stats
 from ..distributed.chat import SharedChatSession
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
         loader = distributed_loader(args)
         model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
                                             dspark=args.dspark, head_dtype=args.head_dtype,
-                                            overrides=model_overrides(args))
+                                            **load_options(args))
+        report_experts(model)
         if loader is None:
             group, kind, ranks = ONE_PROCESS, ChatSession, None
         else:  # a group model: rank 0 reads the images and the input lines

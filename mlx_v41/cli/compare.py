@@ -25,7 +25,8 @@ from ..generation.compare import (DEFAULT_KL_TOP_K, check_same_tokens, compare,
 from ..generation.perplexity import make_sequences, read_documents
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
-from .args import HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser, _number, run_command
+from .args import (EXPERT_MEMORY_HELP, HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser,
+                   _number, expert_memory_value, report_experts, run_command)
 
 DEFAULT_SEQUENCE_LENGTH = 512
 DEFAULT_NUM_SAMPLES = 16
@@ -49,6 +50,8 @@ SETTINGS = (
      "blocks in the Reindex layers' candidate pool (default: the checkpoint's)"),
     ("sliding-window", "sliding_window", dict(type=_number(int, 1, what="a positive integer")),
      "window positions each query attends, at most the checkpoint's"),
+    ("expert-memory", "expert_memory", dict(type=expert_memory_value, default="auto",
+                                            metavar="SIZE"), EXPERT_MEMORY_HELP),
 )
 OVERRIDE_KEYS = ("index_topk", "candidate_topk_blocks", "sliding_window")
 
@@ -119,9 +122,11 @@ def _check_args(parser, args) -> None:
 def _load(label: str, path: str, settings: dict):
     print(f"Loading the {label} from {path}...", file=sys.stderr)
     try:
-        return load(path, dspark=False, vision=False, **settings)
+        model, tokenizer = load(path, dspark=False, vision=False, **settings)
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
+    report_experts(model)
+    return model, tokenizer
 
 
 def _sequences(args, tokenizer) -> np.ndarray:

@@ -21,7 +21,8 @@ import mlx.core as mx
 from ..cache.layer import CacheError
 from ..checkpoint.source import DEMO, load
 from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
-                   decode_settings, model_overrides, utf8_flag, utf8_problem)
+                   decode_settings, load_options, report_experts, utf8_flag,
+                   utf8_problem)
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import (PromptCache, prompt_cache_exists, read_prompt_cache,
                                        reuse_prompt_cache, write_prompt_cache)
@@ -105,11 +106,14 @@ def run(args) -> int:
     loader = distributed_loader(args)
     model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
                                         dspark=args.dspark, head_dtype=args.head_dtype,
-                                        overrides=model_overrides(args))
+                                        **load_options(args))
+    report_experts(model)
     group = ONE_PROCESS if loader is None else model.group
     with wired_limit(model):
         response = _reply(args, model, tokenizer, group)
     print("=" * 10)
+    if response is not None and model.expert_store is not None:
+        response.expert_stats = model.expert_store.stats  # the run's: one per process
     print_stats(response)
     return 0
 

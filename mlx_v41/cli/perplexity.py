@@ -19,7 +19,8 @@ from ..generation.perplexity import evaluate_perplexity, make_sequences, read_do
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
 from .args import (HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser, _number, run_command,
-                   add_override_arguments, model_overrides)
+                   add_expert_arguments, add_override_arguments,
+                   expert_stats_line, load_options, model_overrides, report_experts)
 
 # mlx-lm's defaults (mlx_lm.perplexity).
 DEFAULT_BATCH_SIZE = 8
@@ -56,6 +57,7 @@ def setup_arg_parser() -> ArgumentParser:
         help=f"rows per forward chunk (default {DEFAULT_PREFILL_STEP_SIZE})")
     add("--head-dtype", choices=HEAD_DTYPES, default="float32", help=HEAD_DTYPE_HELP)
     add_override_arguments(parser)
+    add_expert_arguments(parser)
     return parser
 
 
@@ -73,8 +75,8 @@ def run(args) -> int:
         print("demo model: a tiny random checkpoint, so its perplexity is near the vocabulary "
               "size", file=sys.stderr)
     model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=False,
-                            vision=False, head_dtype=args.head_dtype,
-                            overrides=model_overrides(args))
+                            vision=False, head_dtype=args.head_dtype, **load_options(args))
+    report_experts(model)
     data = make_sequences(tokenizer, read_documents(args.data_path), args.sequence_length,
                           args.num_samples, args.seed, args.data_path)
     print(f"Loaded {data.shape[0]} samples of {data.shape[1]} tokens from {args.data_path}",
@@ -91,6 +93,8 @@ def run(args) -> int:
     print(f"Evaluation time: {result.seconds:.2f} seconds")
     print(f"Tokens per second: {result.tokens_per_second:.1f}")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    if expert_stats_line(model):
+        print(expert_stats_line(model))
     return 0
 
 

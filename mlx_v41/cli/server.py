@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .args import ArgumentParser, _number, add_model_arguments, model_overrides
+from .args import ArgumentParser, _number, add_model_arguments, load_options, report_experts
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..server.images import DEFAULT_MAX_IMAGE_BYTES
 from ..server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
@@ -124,7 +124,8 @@ def build_app(args):
     loader = distributed_loader(args)
     model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
                                         dspark=args.dspark, head_dtype=args.head_dtype,
-                                        overrides=model_overrides(args))
+                                        **load_options(args))
+    report_experts(model)
     if args.seed is not None:
         mx.random.seed(args.seed)
     kind, group, batching = Engine, ONE_PROCESS, {}

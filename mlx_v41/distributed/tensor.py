@@ -89,7 +89,7 @@ class ShardedMoE(MoE):
         if record is not None:
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
-        count = self.experts.switch_mlp.gate_proj.weight.shape[0]
+        count = self.experts.switch_mlp.n_experts
         mine = (ids >= self.first_expert) & (ids < self.first_expert + count)
         local = mx.where(mine, ids - self.first_expert, 0)
         weights = mx.where(mine, weights, 0.0)

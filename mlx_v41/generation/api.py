@@ -38,6 +38,8 @@ class GenerationResponse:
         finish_reason: "stop" (EOS / end of turn), "length" (max_tokens or the context), None.
         from_draft: the token is a DSpark draft the target accepted (mlx-lm's field).
         draft_stats: with draft="dspark", the stream's drafts proposed / accepted so far.
+        expert_stats: on the last response of a model whose experts are streamed, the
+            stream's expert-cache counters (`ExpertStats`: hit rate, bytes read, waits).
     """
 
     text: str
@@ -51,6 +53,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
     from_draft: bool = False
     draft_stats: Optional[DraftStats] = None
+    expert_stats: Optional[object] = None
 
 
 def wired_limit(model):
@@ -220,14 +223,19 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int], mx.array
         tic = time.perf_counter()
         expanded = group.prepare_prompt(model, ids, images)
         ids = expanded.ids
+        store = getattr(model, "expert_store", None)
+        before = None if store is None else store.stats.snapshot()
         logits = prefill(model, ids, cache, prefill_step_size, prompt_progress_callback,
                          expanded.inputs(model), group)
-        yield from stream_decode(model, tokenizer, logits, cache, prompt_tokens=len(ids),
-                                 prompt_seconds=time.perf_counter() - tic,
-                                 max_tokens=max_tokens, sampler=sampler,
-                                 logits_processors=logits_processors, history=ids, draft=draft,
-                                 num_draft_tokens=num_draft_tokens,
-                                 draft_confidence=draft_confidence, group=group)
+        for response in stream_decode(model, tokenizer, logits, cache, prompt_tokens=len(ids),
+                                      prompt_seconds=time.perf_counter() - tic,
+                                      max_tokens=max_tokens, sampler=sampler,
+                                      logits_processors=logits_processors, history=ids,
+                                      draft=draft, num_draft_tokens=num_draft_tokens,
+                                      draft_confidence=draft_confidence, group=group):
+            if response.finish_reason is not None and store is not None:
+                response.expert_stats = store.stats.since(before)
+            yield response
 
 
 def _one_sequence(prompt) -> list:
@@ -274,6 +282,8 @@ def print_stats(response: Optional[GenerationResponse], file=None) -> None:
     if stats is not None:
         print(f"Drafts: {stats.accepted} accepted of {stats.proposed} proposed, "
               f"{stats.tokens_per_cycle:.2f} tokens per verify cycle", file=file)
+    if response.expert_stats is not None:
+        print(f"Experts: {response.expert_stats.summary()}", file=file)
     print(f"Peak memory: {response.peak_memory:.3f} GB", file=file)
 
 

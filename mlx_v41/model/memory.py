@@ -15,6 +15,14 @@ from .schedule import FULL, layer_roles
 FP32_BYTES = 4
 
 
+def human_bytes(n: float) -> str:
+    """'279.72 GB', '18.80 MB', '512 B' (decimal units, as mlx-lm prints memory)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def kv_row_bytes(cfg: TextConfig) -> tuple[int, int]:
     """Packed main-KV row (E2M1 codes + E4M3 per 16) and index-key row (codes + E8M0 per 32)."""
     return cfg.head_dim // 2 + cfg.head_dim // 16, cfg.index_head_dim // 2 + \

@@ -96,26 +96,38 @@ class SwitchMLP(nn.Module):
         self.down_proj = SwitchLinear(inter, hidden, n_experts)
         self.limit = limit
 
+    @property
+    def n_experts(self) -> int:
+        """Experts in this module's table (a tensor-parallel rank's share)."""
+        return self.gate_proj.weight.shape[0]
+
     def __call__(self, x, ids, weights):
         """x [T, D] (FP8-rounded), ids/weights [T, k] -> per-expert outputs [T, k, D]: fp32
         products of `down_proj`, not yet rounded to its bf16 output (`MoE` rounds them)."""
-        tokens, k = ids.shape
-        ids = ids.astype(mx.uint32)  # gather_qmm's index dtype (a no-op for `Router.select`'s)
-        if tokens * k < SORT_THRESHOLD:
-            rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
-            act = down_input(self.gate_proj.matmul(rows, ids), self.up_proj.matmul(rows, ids),
-                             weights[..., None, None], self.limit)
-            return self.down_proj.matmul(act, ids).squeeze(-2)
-        flat_ids = ids.reshape(-1)
-        order = mx.argsort(flat_ids)
-        inverse = mx.argsort(order)
-        rows = mx.expand_dims(x, -2)[order // k]          # [T*k, 1, D] grouped by expert
-        sorted_ids = flat_ids[order]
-        act = down_input(self.gate_proj.matmul(rows, sorted_ids, True),
-                         self.up_proj.matmul(rows, sorted_ids, True),
-                         weights.reshape(-1)[order][:, None, None], self.limit)
-        out = self.down_proj.matmul(act, sorted_ids, True)
-        return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
+        return expert_products(self.gate_proj, self.up_proj, self.down_proj, self.limit, x,
+                               ids, weights)
+
+
+def expert_products(gate: SwitchLinear, up: SwitchLinear, down: SwitchLinear, limit: float,
+                    x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+    """`SwitchMLP`'s products over the tables `gate`, `up`, `down` (its own, or the streamed
+    experts' slots with `ids` mapped to slots): x [T, D], ids/weights [T, k] -> [T, k, D]."""
+    tokens, k = ids.shape
+    ids = ids.astype(mx.uint32)  # gather_qmm's index dtype (a no-op for `Router.select`'s)
+    if tokens * k < SORT_THRESHOLD:
+        rows = x[:, None, None, :]                      # [T, 1, 1, D] against [T, k]
+        act = down_input(gate.matmul(rows, ids), up.matmul(rows, ids),
+                         weights[..., None, None], limit)
+        return down.matmul(act, ids).squeeze(-2)
+    flat_ids = ids.reshape(-1)
+    order = mx.argsort(flat_ids)
+    inverse = mx.argsort(order)
+    rows = mx.expand_dims(x, -2)[order // k]          # [T*k, 1, D] grouped by expert
+    sorted_ids = flat_ids[order]
+    act = down_input(gate.matmul(rows, sorted_ids, True), up.matmul(rows, sorted_ids, True),
+                     weights.reshape(-1)[order][:, None, None], limit)
+    out = down.matmul(act, sorted_ids, True)
+    return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
 
 
 class SharedExpert(nn.Module):

@@ -238,6 +238,9 @@ def test_auto_chooses_resident_or_streamed_by_the_working_set(resident):
     assert tight.streamed and tight.budget == 128 * 10**9 - 12_800_000_000 - other
     with pytest.raises(ValueError, match="does not fit this machine even with its experts"):
         plan_experts("auto", experts, other, 18 * 10**6, cfg, memory=11 * 10**9)
+    with pytest.raises(ValueError, match="do not fit this machine's 128.00 GB working set "
+                                         "resident: use --expert-memory SIZE"):
+        plan_experts("resident", experts, other, 18 * 10**6, cfg, memory=128 * 10**9)
 
 
 def test_auto_follows_the_mlx_memory_limit(resident):

@@ -101,6 +101,11 @@ def plan_experts(expert_memory, expert_bytes: int, other_bytes: int, minimum: in
                           f"auto: {_h(expert_bytes + other_bytes)} of weights exceed the "
                           f"{_h(memory)} working set; {_h(reserve)} kept for caches")
     if expert_memory == RESIDENT:
+        memory = working_set() if memory is None else memory
+        if expert_bytes + other_bytes > memory:
+            raise ValueError(f"expert_memory: the weights ({_h(expert_bytes + other_bytes)}) "
+                             f"do not fit this machine's {_h(memory)} working set resident: "
+                             "use --expert-memory SIZE (or auto) to stream the routed experts")
         return ExpertPlan(False, expert_bytes, *every, "expert_memory='resident'")
     budget = parse_memory_size(expert_memory)
     if budget < minimum:

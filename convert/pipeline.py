@@ -14,7 +14,9 @@ import numpy as np
 from tqdm import tqdm
 
 from mlx_v41.checkpoint.converted import MANIFEST
+from mlx_v41.checkpoint.streaming import AUTO, plan_experts, working_set
 from mlx_v41.model.engram_hash import EngramHasher, build_token_map
+from mlx_v41.model.memory import human_bytes, recipe_bytes
 
 from .plan import Plan, make_plan
 from .recipes import make_recipe
@@ -216,7 +218,22 @@ def _summary(source: Source, plan: Plan, out: Path) -> list:
                  f"{_human(sizes['weights'])} + DSpark drafter {drafter} + Engram tables "
                  f"{_human(sizes['engram_tables'])} + extras ({extras}) "
                  f"{_human(sizes['extras'])}")
-    return lines
+    return lines + _memory_lines(source, plan)
+
+
+def _memory_lines(source: Source, plan: Plan) -> list:
+    """The output's weights as a load holds them, and what `expert_memory="auto"` makes of
+    them on this machine (docs/memory.md)."""
+    sizes = recipe_bytes(source.args, plan.recipe.name, plan.quantization)
+    lines = [f"memory: {human_bytes(sizes.resident)} resident + routed experts "
+             f"{human_bytes(sizes.experts)} ({human_bytes(sizes.expert)} each; the text model "
+             "without the drafter and the vision tower)"]
+    try:
+        auto = plan_experts(AUTO, sizes.experts, sizes.resident, sizes.minimum,
+                            source.args.text_config, working_set())
+    except ValueError as e:
+        return lines + [f"this machine: {e}"]
+    return lines + [f"this machine: {auto.line()}"]
 
 
 def _readme(source: Source, plan: Plan) -> str:

@@ -284,3 +284,147 @@ def test_a_deleted_folder_fails_with_one_line(tmp_path):
     shutil.rmtree(folder)
     with pytest.raises(ExpertReadError, match="cannot be read|truncated"):
         model.prefill(mx.array([tokens(70)]), model.make_cache(), step_size=STEP)
+
+
+# ---------------------------------------------------------------- one damaged expert in a batch
+
+
+def routed_in_decode(model, texts, follow_steps: int) -> tuple:
+    """({(module, expert)} each sequence's decode steps route to, those its prefill routes to),
+    recorded from the store's calls (a decode call has one row per sequence)."""
+    from mlx_v41.generation.batch import BatchGenerator
+
+    store, calls = model.expert_store, []
+    original = store.run
+
+    def recording(index, x, ids, weights):
+        calls.append((index, np.array(ids)))
+        return original(index, x, ids, weights)
+
+    store.run = recording
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=follow_steps,
+                               prefill_step_size=STEP)
+    uids = generator.insert(texts)
+    while len(generator):
+        generator.next()
+    del store.run
+    per_seq, prefill = [set() for _ in uids], set()
+    for index, ids in calls:
+        if ids.shape[0] == len(texts):
+            for b in range(len(texts)):
+                per_seq[b] |= {(index, int(e)) for e in ids[b]}
+        else:
+            prefill |= {(index, int(e)) for e in ids.reshape(-1)}
+    return uids, per_seq, prefill
+
+
+def test_a_damaged_expert_fails_only_the_sequences_routed_to_it(tmp_path, resident):
+    from mlx_v41.generation.batch import BatchGenerator
+    from test_batch import run
+
+    folder = writable_copy(golden_checkpoint("tiny"), tmp_path / "hf")
+    model = load(folder, expert_memory=EXPERT_BYTES)  # one slot: every call reads again
+    texts = [tokens(n, seed=20 + n) for n in (9, 14, 21)]
+    _, per_seq, prefill = routed_in_decode(model, texts, 6)
+    counts = {}
+    for used in per_seq:
+        for key in used - prefill:
+            counts[key] = counts.get(key, 0) + 1
+    key = next(k for k, n in sorted(counts.items()) if n < len(texts))
+    region = next(r for r in model.expert_store.regions[key[0]][key[1]] if r.e8m0)
+    with open(region.path, "r+b") as f:
+        f.seek(region.offset)
+        f.write(bytes([255]))
+    outputs = []
+    for m in (resident, model):
+        generator = BatchGenerator(m, stop_tokens=(), max_tokens=6, prefill_step_size=STEP)
+        uids = generator.insert(texts)
+        out = run(generator)
+        outputs.append([out[uid] for uid in uids])
+    expected, got = outputs
+    for b, used in enumerate(per_seq):
+        if key in used:  # failed alone, naming the damaged tensor
+            assert isinstance(got[b], ExpertReadError) and region.tensor in str(got[b])
+        else:  # the others ran on, with the resident tokens
+            assert got[b] == expected[b]
+
+
+def test_the_server_fails_the_request_in_its_shape_and_serves_on(tmp_path):
+    import openai
+
+    from server_harness import LiveServer
+
+    folder = writable_copy(golden_checkpoint("tiny"), tmp_path / "hf")
+    model, tokenizer = mlx_v41.load(folder, dspark=False, expert_memory=EXPERT_BYTES)
+    regions = [r for per_expert in model.expert_store.regions[0] for r in per_expert if r.e8m0]
+    originals = []
+    for region in regions:  # every expert of the first MoE layer: any request routes there
+        with open(region.path, "r+b") as f:
+            f.seek(region.offset)
+            originals.append(f.read(1))
+            f.seek(region.offset)
+            f.write(bytes([255]))
+    live = LiveServer(model, tokenizer)
+    try:
+        client = live.client()
+        messages = [{"role": "user", "content": "hello"}]
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        text = info.value.body["message"]
+        assert "ExpertReadError" in text and "holds the E8M0 NaN byte 255" in text
+        assert "layers.0.ffn.experts." in text and "\n" not in text
+        for region, byte in zip(regions, originals):  # repaired: the server serves again
+            with open(region.path, "r+b") as f:
+                f.seek(region.offset)
+                f.write(byte)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        live.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [["--tensor-parallel"], ["--pipeline", "7"]],
+                         ids=["tensor", "pipeline"])
+def test_ranks_stream_their_experts(split, capsys):
+    """`mlx.launch -n 2 -- -m mlx_v41.generate ... --expert-memory`: each rank streams its own
+    experts (a tensor-parallel rank its share of each table, a pipeline stage its layers);
+    the sampled text is one resident process's."""
+    from mlx_v41.cli.generate import main as generate_main
+    from test_distributed import launch
+
+    args = ["--model", str(golden_checkpoint("tiny")), "-p", "hello", "-m", "10", "--temp",
+            "0.8", "--seed", "3"]
+    result = launch(2, "-m", "mlx_v41.generate", *args, *split, "--expert-memory",
+                    str(2 * EXPERT_BYTES))
+    assert generate_main(args + ["--expert-memory", "resident"]) == 0
+    one = capsys.readouterr().out.split("=" * 10)[1]
+    assert result.stdout.split("=" * 10)[1] == one, result.stderr
+    assert "experts: streamed from SSD, 26.11 KB" in result.stderr
+    assert "Experts: hit rate" in result.stdout
+
+
+@pytest.mark.slow
+def test_image_prompts_are_the_resident_bits(tmp_path):
+    """An image span's positions route with `bias_vl`: streamed, the same logits."""
+    from mlx_v41.model.vision import prepare_prompt
+    from vision_fixtures import IMAGES, SMALL_MIN_PIXELS, vision_checkpoint
+
+    folder = vision_checkpoint(tmp_path / "hf", SMALL_MIN_PIXELS)
+    tokenizer = mlx_v41.load(folder, expert_memory="resident")[1]
+    ids = tokenizer.encode_prompt("Look: <｜deepseek_image｜> - what?")
+
+    def logits(model):
+        prompt = prepare_prompt(model, ids, IMAGES[:1])
+        cache = model.make_cache()
+        out = [np.array(model.prefill(mx.array([prompt.ids]), cache, step_size=STEP,
+                                      images=prompt.inputs(model))[0, -1])]
+        for _ in range(4):
+            out.append(np.array(model(mx.array([[int(out[-1].argmax())]]), cache=cache)[0, -1]))
+        return out
+
+    resident_model = load(folder, expert_memory="resident")
+    expected = logits(resident_model)
+    budget = 3 * resident_model.expert_plan.minimum
+    assert all(np.array_equal(a, b) for a, b in zip(expected, logits(load(
+        folder, expert_memory=budget))))

@@ -38,6 +38,7 @@ from ..cache.layer import trim_cache
 from ..cache.persistence import copy_cache
 from ..kernels.context import using
 from ..model.batch import batch_forward
+from ..model.expert_reader import ExpertReadError
 from ..model.prefill import forward_steps
 from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
 from .sequence import BatchSequence, BatchStats, RandomKey, Response, random_stream
@@ -321,8 +322,30 @@ class BatchGenerator:
         if not batch:
             return responses
         tic = time.perf_counter()
+        try:
+            parts = [(batch, self._forward(batch))]
+        except ExpertReadError:  # a damaged expert file: only the sequences routed to it fail
+            parts = []
+            for seq in batch:  # a failed forward changed no cache
+                try:
+                    parts.append(([seq], self._forward([seq])))
+                except ExpertReadError as e:
+                    responses += self._fail(seq, e)
+        for part, logits in parts:
+            responses += self._emit_decoded(part, logits)
+        decoded = [s for part, _ in parts for s in part]
+        mx.eval([s.token for s in decoded if s.finish_reason is None and s.token is not None])
+        self.counters.generation_tokens += len(decoded)
+        self.counters.generation_time += time.perf_counter() - tic
+        return responses
+
+    def _forward(self, batch: list) -> mx.array:
         ids = mx.concatenate([s.token.reshape(1, 1) for s in batch], axis=0)
-        logits = batch_forward(self.model, ids, [s.cache for s in batch]).logits
+        return batch_forward(self.model, ids, [s.cache for s in batch]).logits
+
+    def _emit_decoded(self, batch: list, logits: mx.array) -> list:
+        """Emit each sequence's fed token and sample its next from its row of `logits`."""
+        responses = []
         for b, seq in enumerate(batch):
             token = seq.token.item()
             seq.generated += 1
@@ -341,9 +364,6 @@ class BatchGenerator:
             else:
                 response = self._finish(seq, response)
             responses.append(response)
-        mx.eval([s.token for s in batch if s.finish_reason is None and s.token is not None])
-        self.counters.generation_tokens += len(batch)
-        self.counters.generation_time += time.perf_counter() - tic
         return responses
 
     def _speculate(self) -> list:

@@ -38,8 +38,8 @@ DEFAULT_PROMPT_CONCURRENCY = 8
 
 def default_kv_budget(model, prompt_cache_bytes: int = 0) -> int:
     """Bytes the running sequences' caches may take: 90 % of the machine's memory left beside
-    the weights and the prompt-cache store (the machine's memory as MLX reports it on a Mac,
-    else the physical memory)."""
+    the weights (streamed experts: their slots) and the prompt-cache store (the machine's
+    memory as MLX reports it on a Mac, else the physical memory)."""
     import os
 
     from mlx.utils import tree_flatten
@@ -49,6 +49,8 @@ def default_kv_budget(model, prompt_cache_bytes: int = 0) -> int:
     except Exception:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    store = getattr(model, "expert_store", None)
+    weights += 0 if store is None else store.nbytes  # streamed experts' slots
     return max(int(0.9 * (total - weights - prompt_cache_bytes)), 0)
 
 
@@ -278,8 +280,9 @@ class BatchEngine(Engine):
             except Exception:
                 log.exception("prompt cache not kept")
         log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s), %d generated, %s "
-                 "(batch of %d)", len(prompt.ids), run.cached, len(run.todo),
-                 run.prefill_seconds, len(run.tokens), reason, len(self.running) + 1)
+                 "(batch of %d)%s", len(prompt.ids), run.cached, len(run.todo),
+                 run.prefill_seconds, len(run.tokens), reason, len(self.running) + 1,
+                 self.expert_note())
         self._end(run.job, Finish(reason, len(prompt.ids), len(run.tokens), run.cached, tail,
                                   stop_sequence=run.stops.matched))
 

@@ -322,9 +322,14 @@ class Engine:
         # Only now: a failed request leaves the store as it was.
         self._keep([snapshot, state if align_to_tokens(state) else None])
         log.info("%s%d prompt tokens (%d cached, %d prefilled in %.2f s, %d images), %d "
-                 "generated, %s", self.label, len(prompt.ids), cached, len(todo), seconds,
-                 len(records), len(tokens), reason)
+                 "generated, %s%s", self.label, len(prompt.ids), cached, len(todo), seconds,
+                 len(records), len(tokens), reason, self.expert_note())
         return Finish(reason, len(prompt.ids), len(tokens), cached, tail, stop_sequence=matched)
+
+    def expert_note(self) -> str:
+        """The expert cache's counters since the server started (streamed experts only)."""
+        store = getattr(self.model, "expert_store", None)
+        return "" if store is None else f"; experts since start: {store.stats.summary()}"
 
     def _decode(self, job: Job, state, logits, prefilled: int, seconds: float) -> tuple:
         """Stream the reply's tokens to the job; (tokens, finish reason, held text, the stop

@@ -428,3 +428,54 @@ def test_image_prompts_are_the_resident_bits(tmp_path):
     budget = 3 * resident_model.expert_plan.minimum
     assert all(np.array_equal(a, b) for a, b in zip(expected, logits(load(
         folder, expert_memory=budget))))
+
+
+# ---------------------------------------------------------------- read-ahead
+
+
+def test_read_ahead_is_taken_and_changes_no_bits(resident):
+    prompt, follow = tokens(40, seed=7), tokens(20, seed=8)
+    runs = {}
+    for prefetch in (0, 16):
+        model = load(expert_memory=20 * EXPERT_BYTES, expert_prefetch=prefetch)
+        runs[prefetch] = (run_logits(model, prompt, follow), model.expert_store)
+    for a, b in zip(runs[0][0], runs[16][0]):
+        assert np.array_equal(a, b)
+    assert runs[0][1].stats.read_ahead == 0 and runs[0][1].ahead.issued == 0
+    ahead = runs[16][1]
+    assert 0 < ahead.stats.read_ahead == ahead.ahead.used <= ahead.ahead.issued
+    assert ahead.stats.loads == runs[0][1].stats.loads  # the same experts, read earlier
+
+
+class FixedRouter:
+    """A router that always picks `ids` (what a prediction reads)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def select(self, x):
+        return mx.array([[self.ids]], dtype=mx.uint32), None
+
+
+def test_a_failed_read_ahead_fails_only_the_call_that_needs_it(tmp_path):
+    from mlx_v41.model.expert_prefetch import ReadAhead
+    from mlx_v41.model.expert_reader import FileReader, Region
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_bytes(bytes(range(64)))
+    bad.write_bytes(bytes(8))
+    regions = [[], [[Region(str(good), 16, 8, "ok.weight")], [Region(str(bad), 4, 8, "x.scale")]]]
+    parts = [type("Part", (), {"nbytes": 8})()]
+    pool = type("Pool", (), {"slot_of": {}})()
+    ahead = ReadAhead(FileReader(2), regions, [None, (FixedRouter([0, 1]), 0)], capacity=4)
+    ahead.begin(0), ahead.begin(1), ahead.begin(0)  # learned: module 1 follows module 0
+    ahead.predict(0, mx.zeros((1, 4)), pool, parts)
+    assert set(ahead.pending) == {(1, 0), (1, 1)}
+    ahead.end(0)
+    ahead.begin(1)
+    assert bytes(ahead.take((1, 0))[0]) == bytes(range(16, 24))
+    with pytest.raises(ExpertReadError, match="x.scale is truncated"):
+        ahead.take((1, 1))  # needed: the call fails as a direct read would
+    ahead.predict(0, mx.zeros((1, 4)), pool, parts)  # module 0 is followed by 1 again...
+    ahead.begin(0)  # ...but the next call is module 0's: module 1's reads are dropped unseen
+    assert ahead.pending == {}

@@ -101,7 +101,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
                ced_rollback: Optional[int] = None, dspark: Optional[bool] = None,
                vision: Optional[bool] = None, head_dtype: str = "float32",
                placement: Optional[Placement] = None, overrides: Optional[dict] = None,
-               expert_memory="auto", expert_policy: str = "lfru", expert_threads: int = 8):
+               expert_memory="auto", expert_policy: str = "lfru", expert_threads: int = 8,
+               expert_prefetch: int = 16):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -148,6 +149,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
         expert_policy: which slot a missing expert takes: "lfru" (default: decayed use
             count) or "lru".
         expert_threads: concurrent reads of a streamed load.
+        expert_prefetch: experts read ahead for the next MoE call while one computes (host
+            buffers beside the budget; 0: off; docs/memory.md).
     Returns:
         The `Model`, weights loaded and evaluated.
     """
@@ -188,7 +191,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
     else:
         load_weights(model, folder, placement, experts)
     if streaming is not None:
-        streaming.finish(model, expert_policy, expert_threads)
+        streaming.finish(model, expert_policy, expert_threads, expert_prefetch)
     if args.text_config.engram_layer_ids:
         if token_map is None:
             token_map = _token_map(folder, args.text_config)

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import CheckpointError
 from ..model.expert_policy import DEFAULT_POLICY
+from ..model.expert_prefetch import PREFETCH_EXPERTS
 from ..model.expert_reader import DEFAULT_THREADS, FileReader, Region
 from ..model.expert_store import (ExpertStore, Layout, check_regions, detach_experts,
                                   expert_layout)
@@ -149,12 +150,24 @@ class ExpertStreaming:
         return next((p for p in layout.parts if (p.proj, p.leaf) == (proj, leaf)), None)
 
     def finish(self, model, policy: str = DEFAULT_POLICY, threads: int = DEFAULT_THREADS,
-               cache_pages: bool = False) -> ExpertStore:
+               prefetch: int = PREFETCH_EXPERTS, cache_pages: bool = False) -> ExpertStore:
         check_regions(self.modules, self.regions)
         store = ExpertStore(self.modules, self.regions, self.plan.budget, policy,
-                            FileReader(threads, cache_pages))
+                            FileReader(threads, cache_pages), _gates(model, self.modules),
+                            prefetch)
         model.expert_store = store
         return store
+
+
+def _gates(model, modules: list) -> list:
+    """Per streamed module, (its MoE's router, the first expert id of its table)."""
+    named = dict(model.named_modules())
+    out = []
+    for path, _, _ in modules:
+        moe = named.get(path.removesuffix(".experts.switch_mlp"))
+        gate = getattr(moe, "gate", None)
+        out.append(None if gate is None else (gate, getattr(moe, "first_expert", 0)))
+    return out
 
 
 def setup(model, expert_memory, cfg, memory: Optional[int] = None) -> tuple:

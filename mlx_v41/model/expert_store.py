@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .expert_policy import DEFAULT_POLICY, make_policy
+from .expert_prefetch import PREFETCH_EXPERTS, ReadAhead
 from ..errors import CheckpointError
 from .expert_reader import FileReader, Region
 from .layers import input_dims
@@ -79,6 +80,7 @@ class ExpertStats:
     read_seconds: float = 0.0   # in reads (threads reading concurrently)
     wait_seconds: float = 0.0   # the forward waited: reads and slot writes
     waves: int = 0          # calls that needed more than one wave
+    read_ahead: int = 0     # loads found read ahead (`expert_prefetch.py`)
 
     def snapshot(self) -> "ExpertStats":
         return dataclasses.replace(self)
@@ -101,6 +103,7 @@ class ExpertStats:
                 "loads": self.loads, "hit_rate": round(self.hit_rate, 4),
                 "bytes_read": self.bytes_read, "read_seconds": round(self.read_seconds, 4),
                 "read_bandwidth": round(self.read_bandwidth), "waves": self.waves,
+                "read_ahead": self.read_ahead,
                 "wait_seconds": round(self.wait_seconds, 4)}
 
     def summary(self) -> str:
@@ -184,13 +187,19 @@ class ExpertStore:
         budget: bytes of slots, split between the layouts by their experts' bytes.
         policy: eviction policy name (`expert_policy.POLICIES`).
         reader: a `FileReader` (default: 8 threads, out of the page cache).
+        gates: per module, (its MoE's router, the first expert id of its table): what the
+            read-ahead predicts with (`expert_prefetch.py`); None: no read-ahead.
+        prefetch: experts read ahead at most, in host buffers beside the slots (0: off).
     """
 
     def __init__(self, modules: list, regions: list, budget: int, policy: str = DEFAULT_POLICY,
-                 reader: FileReader | None = None):
+                 reader: FileReader | None = None, gates: list | None = None,
+                 prefetch: int = PREFETCH_EXPERTS):
         self.modules, self.regions, self.budget = modules, regions, budget
         self.reader = reader or FileReader()
         self.stats = ExpertStats()
+        self.ahead = ReadAhead(self.reader, regions, gates or [None] * len(modules),
+                               prefetch if gates else 0)
         layouts = {}
         for _, module, layout in modules:
             layouts[layout] = layouts.get(layout, 0) + module.expert_count
@@ -232,14 +241,19 @@ class ExpertStore:
         chosen = np.array(ids).astype(np.int64)  # evaluates the router
         experts = np.unique(chosen)
         self.stats.calls += 1
-        if experts.size <= pool.slots:
-            slots = self._admit(pool, index, experts)
-            out = expert_products(*pool.tables(), module.limit, x,
-                                  _mapped(chosen, experts, slots), weights)
-            mx.eval(out)
-            return out
-        self.stats.waves += 1
-        return self._run_waves(pool, index, module.limit, x, chosen, experts, weights)
+        self.ahead.begin(index)
+        try:
+            if experts.size <= pool.slots:
+                slots = self._admit(pool, index, experts)
+                out = expert_products(*pool.tables(), module.limit, x,
+                                      _mapped(chosen, experts, slots), weights)
+                self.ahead.predict(index, x, pool, pool.layout.parts)  # read while computing
+                mx.eval(out)
+                return out
+            self.stats.waves += 1
+            return self._run_waves(pool, index, module.limit, x, chosen, experts, weights)
+        finally:
+            self.ahead.end(index)
 
     def _run_waves(self, pool: Pool, index: int, limit: float, x, chosen, experts, weights):
         tokens, k = chosen.shape
@@ -284,12 +298,21 @@ class ExpertStore:
         return np.array([pool.slot_of[key] for key in keys], dtype=np.int64)
 
     def _load(self, pool: Pool, keys: list) -> None:
-        """Read `keys` into free slots (a failed read leaves the slots free)."""
+        """Read `keys` into free slots (a failed read leaves the slots free); those read
+        ahead are taken from the read-ahead."""
         parts = pool.layout.parts
         staging = [np.empty((len(keys), part.nbytes), np.uint8) for part in parts]
-        jobs = [(self.regions[index][expert][p], staging[p][i])
-                for i, (index, expert) in enumerate(keys) for p in range(len(parts))]
+        jobs = []
         tic = time.perf_counter()
+        for i, (index, expert) in enumerate(keys):
+            ahead = self.ahead.take((index, expert))
+            if ahead is None:
+                jobs += [(self.regions[index][expert][p], staging[p][i])
+                         for p in range(len(parts))]
+                continue
+            for p, buffer in enumerate(ahead):
+                staging[p][i] = buffer
+            self.stats.read_ahead += 1
         self.reader.read_all(jobs)
         self.stats.read_seconds += time.perf_counter() - tic
         slots = [pool.free.pop() for _ in keys]

@@ -479,3 +479,17 @@ def test_a_failed_read_ahead_fails_only_the_call_that_needs_it(tmp_path):
     ahead.predict(0, mx.zeros((1, 4)), pool, parts)  # module 0 is followed by 1 again...
     ahead.begin(0)  # ...but the next call is module 0's: module 1's reads are dropped unseen
     assert ahead.pending == {}
+
+
+def test_a_chat_session_shows_the_expert_counters(resident):
+    from mlx_v41.chat.session import ChatSession, format_stats
+
+    tokenizer = mlx_v41.load(golden_checkpoint("tiny"), expert_memory="resident")[1]
+    turns = []
+    for model in (resident, load(expert_memory=7 * EXPERT_BYTES)):
+        session = ChatSession(model, tokenizer, thinking=False, max_tokens=6)
+        turns.append([r.token for r in session.reply("hello there")])
+        shown = format_stats(session)
+    assert turns[0] == turns[1]
+    assert "experts (since loading): hit rate " in shown
+    assert "experts (since" not in format_stats(ChatSession(resident, tokenizer))

@@ -257,6 +257,9 @@ def format_stats(session: ChatSession) -> str:
     if state is not None:
         size = cache_bytes(state.cache)["total"]
         lines.append(f"cache: {len(state.tokens)} of {limit} positions, {size / 2**20:.2f} MiB")
+    store = getattr(session.model, "expert_store", None)
+    if store is not None:
+        lines.append(f"experts (since loading): {store.stats.summary()}")
     dspark = f"dspark: {'on' if session.draft else 'off'}; " if session.model.drafting else ""
     lines.append(f"thinking: {'on' if session.thinking else 'off'}; {dspark}"
                  f"{len(session.messages)} messages")

@@ -55,8 +55,13 @@ def run_logits(model, prompt: list, follow: list, step=STEP) -> list:
 
 
 def budgets() -> list:
-    return [EXPERT_BYTES, 5 * EXPERT_BYTES, ALL_EXPERTS // 2 * EXPERT_BYTES,
-            ALL_EXPERTS * EXPERT_BYTES]
+    """One slot (every call in waves of one expert), five, half, all; the middle two run in
+    the full suite."""
+    slow = pytest.mark.slow
+    return [pytest.param(EXPERT_BYTES, id="one-slot"),
+            pytest.param(5 * EXPERT_BYTES, id="five", marks=slow),
+            pytest.param(ALL_EXPERTS // 2 * EXPERT_BYTES, id="half", marks=slow),
+            pytest.param(ALL_EXPERTS * EXPERT_BYTES, id="all")]
 
 
 def test_the_tiny_checkpoints_expert_sizes(resident):
@@ -70,7 +75,7 @@ def test_the_tiny_checkpoints_expert_sizes(resident):
     assert not plan.streamed and resident.expert_store is None
 
 
-@pytest.mark.parametrize("budget", budgets(), ids=["one-slot", "five", "half", "all"])
+@pytest.mark.parametrize("budget", budgets())
 def test_prefill_and_decode_are_the_resident_bits(resident, budget):
     prompt, follow = tokens(70), tokens(12, seed=1)
     expected = run_logits(resident, prompt, follow)
@@ -318,6 +323,7 @@ def routed_in_decode(model, texts, follow_steps: int) -> tuple:
     return uids, per_seq, prefill
 
 
+@pytest.mark.slow
 def test_a_damaged_expert_fails_only_the_sequences_routed_to_it(tmp_path, resident):
     from mlx_v41.generation.batch import BatchGenerator
     from test_batch import run
@@ -349,6 +355,7 @@ def test_a_damaged_expert_fails_only_the_sequences_routed_to_it(tmp_path, reside
             assert got[b] == expected[b]
 
 
+@pytest.mark.slow
 def test_the_server_fails_the_request_in_its_shape_and_serves_on(tmp_path):
     import openai
 
@@ -481,6 +488,7 @@ def test_a_failed_read_ahead_fails_only_the_call_that_needs_it(tmp_path):
     assert ahead.pending == {}
 
 
+@pytest.mark.slow
 def test_a_chat_session_shows_the_expert_counters(resident):
     from mlx_v41.chat.session import ChatSession, format_stats
 

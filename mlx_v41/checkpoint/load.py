@@ -146,8 +146,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             resident model's bits. A budget below one expert per layout or above all the
             experts is a ValueError. `model.expert_plan.line()` says what was chosen;
             `model.expert_store` (None when resident) holds the slots and their `stats`.
-        expert_policy: which slot a missing expert takes: "lfru" (default: decayed use
-            count) or "lru".
+        expert_policy: which slot a missing expert takes: "lfru" (default: the lowest
+            decayed use count, the last token's experts spared) or "lru".
         expert_threads: concurrent reads of a streamed load.
         expert_prefetch: experts read ahead for the next MoE call while one computes (host
             buffers beside the budget; 0: off; docs/memory.md).

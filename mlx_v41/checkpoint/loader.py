@@ -322,6 +322,9 @@ def _stack_experts(shards: _Shards, entries: list, params: dict, target: str,
         w, s = fp4_to_mxfp4(mx.stack(weights), mx.stack(scales))
     except ValueError as e:
         raise CheckpointError(f"tensor {by_id[0]}: {e}") from None
+    # Stacked now: the experts' separate copies are freed here, not at the end of the load
+    # (which would hold every expert twice).
+    mx.eval(w, s)
     return {f"{target}.weight": w, f"{target}.scales": s}
 
 

@@ -28,10 +28,12 @@ class ReadAhead:
         regions: the store's regions (per module, per expert, per part).
         gates: per module, (router, first expert id of the module's table) or None.
         capacity: experts read ahead at most (0: off).
+        stats: the store's `ExpertStats`, which count the bytes read ahead and never used.
     """
 
-    def __init__(self, reader, regions: list, gates: list, capacity: int = PREFETCH_EXPERTS):
-        self.reader, self.regions, self.gates = reader, regions, gates
+    def __init__(self, reader, regions: list, gates: list, capacity: int = PREFETCH_EXPERTS,
+                 stats=None):
+        self.reader, self.regions, self.gates, self.stats = reader, regions, gates, stats
         self.capacity = capacity
         self.next_of: dict = {}     # module -> the module whose call came next last time
         self.last = None
@@ -103,6 +105,8 @@ class ReadAhead:
         self.issued_for[key[0]] = self.issued_for.get(key[0], 0) + 1
 
     def _drop(self, key) -> None:
-        futures, _ = self.pending.pop(key)
-        for future in futures:
-            future.cancel()  # not started yet: never runs (a running read ends unseen)
+        futures, buffers = self.pending.pop(key)
+        for future, buffer in zip(futures, buffers):
+            # not started yet: never runs; a started read ends unseen, its bytes wasted
+            if not future.cancel() and self.stats is not None:
+                self.stats.ahead_unused_bytes += buffer.nbytes

@@ -81,6 +81,7 @@ class ExpertStats:
     wait_seconds: float = 0.0   # the forward waited: reads and slot writes
     waves: int = 0          # calls that needed more than one wave
     read_ahead: int = 0     # loads found read ahead (`expert_prefetch.py`)
+    ahead_unused_bytes: int = 0  # read ahead and never used (disk traffic beyond the loads)
 
     def snapshot(self) -> "ExpertStats":
         return dataclasses.replace(self)
@@ -103,13 +104,16 @@ class ExpertStats:
                 "loads": self.loads, "hit_rate": round(self.hit_rate, 4),
                 "bytes_read": self.bytes_read, "read_seconds": round(self.read_seconds, 4),
                 "read_bandwidth": round(self.read_bandwidth), "waves": self.waves,
-                "read_ahead": self.read_ahead,
+                "read_ahead": self.read_ahead, "ahead_unused_bytes": self.ahead_unused_bytes,
                 "wait_seconds": round(self.wait_seconds, 4)}
 
     def summary(self) -> str:
+        unused = f" (+{human_bytes(self.ahead_unused_bytes)} read ahead unused)" \
+            if self.ahead_unused_bytes else ""
         return (f"hit rate {100 * self.hit_rate:.1f} % of {self.routed:,} routed, "
-                f"{human_bytes(self.bytes_read)} read at {human_bytes(self.read_bandwidth)}/s, "
-                f"{self.wait_seconds:.2f} s waiting on reads")
+                f"{human_bytes(self.bytes_read)} read{unused} at "
+                f"{human_bytes(self.read_bandwidth)}/s, {self.wait_seconds:.2f} s waiting on "
+                "reads")
 
 
 class Pool:
@@ -199,7 +203,7 @@ class ExpertStore:
         self.reader = reader or FileReader()
         self.stats = ExpertStats()
         self.ahead = ReadAhead(self.reader, regions, gates or [None] * len(modules),
-                               prefetch if gates else 0)
+                               prefetch if gates else 0, self.stats)
         layouts = {}
         for _, module, layout in modules:
             layouts[layout] = layouts.get(layout, 0) + module.expert_count

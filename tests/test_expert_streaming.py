@@ -7,6 +7,7 @@ Bit equality holds on MLX's CPU backend (the `cpu` fixture)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import mlx.core as mx
@@ -268,15 +269,22 @@ def test_cli_flag_and_stats(capsys):
 
     folder = str(golden_checkpoint("tiny"))
     code = generate_cli.main(["--model", folder, "-p", "hi", "-m", "4", "--no-thinking",
-                              "--expert-memory", str(5 * EXPERT_BYTES)])
+                              "--expert-memory", str(5 * EXPERT_BYTES), "--expert-prefetch",
+                              "16"])
     out = capsys.readouterr()
     assert code == 0
     assert "experts: streamed from SSD, 65.28 KB of 1.25 MB in memory" in out.err
-    assert "Experts: hit rate " in out.out and " read at " in out.out
+    assert re.search(r"^Experts: hit rate [\d.]+ % of \d+ routed, [\d.]+ [KMG]?B read( \(\+"
+                     r"[\d.]+ [KMG]?B read ahead unused\))? at [\d.]+ [KMG]?B/s, [\d.]+ s "
+                     r"waiting on reads$", out.out, re.M)
     with pytest.raises(SystemExit):
         generate_cli.main(["--model", folder, "--expert-memory", "many"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--expert-memory: 'many' is not a memory size" in err[0]
+    with pytest.raises(SystemExit):
+        generate_cli.main(["--model", folder, "--expert-prefetch", "-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--expert-prefetch: '-1' is not an integer in 0..256" in err[0]
     code = generate_cli.main(["--model", folder, "--expert-memory", "1KB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: expert_memory: 1.00 KB is below the min")

@@ -102,7 +102,7 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
                vision: Optional[bool] = None, head_dtype: str = "float32",
                placement: Optional[Placement] = None, overrides: Optional[dict] = None,
                expert_memory="auto", expert_policy: str = "lfru", expert_threads: int = 8,
-               expert_prefetch: int = 16):
+               expert_prefetch: int = 0):
     """Load a model folder: the published Hugging Face layout, or one written by
     `mlx_v41.convert`. Engram tables are memory-mapped, never read into memory.
 
@@ -150,7 +150,8 @@ def load_model(path, compat_reference_index_k_bug: bool = False, prefill_mode: s
             decayed use count, the last token's experts spared) or "lru".
         expert_threads: concurrent reads of a streamed load.
         expert_prefetch: experts read ahead for the next MoE call while one computes (host
-            buffers beside the budget; 0: off; docs/memory.md).
+            buffers beside the budget): 0 (default) reads only what a call routes to; 16 is
+            the suggested value to try (docs/memory.md, "Read-ahead").
     Returns:
         The `Model`, weights loaded and evaluated.
     """

@@ -19,7 +19,6 @@ from mlx.utils import tree_flatten
 
 from ..errors import CheckpointError
 from ..model.expert_policy import DEFAULT_POLICY
-from ..model.expert_prefetch import PREFETCH_EXPERTS
 from ..model.expert_reader import DEFAULT_THREADS, FileReader, Region
 from ..model.expert_store import (ExpertStore, Layout, check_regions, detach_experts,
                                   expert_layout)
@@ -150,7 +149,7 @@ class ExpertStreaming:
         return next((p for p in layout.parts if (p.proj, p.leaf) == (proj, leaf)), None)
 
     def finish(self, model, policy: str = DEFAULT_POLICY, threads: int = DEFAULT_THREADS,
-               prefetch: int = PREFETCH_EXPERTS, cache_pages: bool = False) -> ExpertStore:
+               prefetch: int = 0, cache_pages: bool = False) -> ExpertStore:
         check_regions(self.modules, self.regions)
         store = ExpertStore(self.modules, self.regions, self.plan.budget, policy,
                             FileReader(threads, cache_pages), _gates(model, self.modules),

@@ -156,12 +156,19 @@ def add_expert_arguments(parser) -> None:
     that loads a model)."""
     parser.add_argument("--expert-memory", type=expert_memory_value, default="auto",
                         metavar="SIZE", help=EXPERT_MEMORY_HELP)
+    parser.add_argument("--expert-prefetch", type=_number(int, 0, 256, what="an integer in "
+                                                          "0..256"),
+                        default=0, metavar="N",
+                        help="with streamed experts: read up to N experts the next layer is "
+                             "predicted to route to while one computes (default 0: off; 16 to "
+                             "try; docs/memory.md)")
 
 
 def load_options(args) -> dict:
     """The `load` keywords of the override and expert flags."""
     return {"overrides": model_overrides(args),
-            "expert_memory": getattr(args, "expert_memory", "auto")}
+            "expert_memory": getattr(args, "expert_memory", "auto"),
+            "expert_prefetch": getattr(args, "expert_prefetch", 0)}
 
 
 def report_experts(model, file=None) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PREFETCH_EXPERTS = 16   # experts read ahead at most, in host buffers beside the slots
+PREFETCH_EXPERTS = 16   # a read-ahead of this many experts (host buffers beside the slots)
 PREFETCH_FLOOR = 0.3    # a module whose read-ahead is used less than this pauses it
 PROBE_EVERY = 16        # a paused module is read ahead again on every this-th call
 SMOOTHING = 0.2         # weight of the latest call in a module's running use share

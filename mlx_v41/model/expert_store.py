@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .expert_policy import DEFAULT_POLICY, make_policy
-from .expert_prefetch import PREFETCH_EXPERTS, ReadAhead
+from .expert_prefetch import ReadAhead
 from ..errors import CheckpointError
 from .expert_reader import FileReader, Region
 from .layers import input_dims
@@ -198,7 +198,7 @@ class ExpertStore:
 
     def __init__(self, modules: list, regions: list, budget: int, policy: str = DEFAULT_POLICY,
                  reader: FileReader | None = None, gates: list | None = None,
-                 prefetch: int = PREFETCH_EXPERTS):
+                 prefetch: int = 0):
         self.modules, self.regions, self.budget = modules, regions, budget
         self.reader = reader or FileReader()
         self.stats = ExpertStats()

@@ -159,6 +159,16 @@ def goldens():
 CORPUS_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box jam".split()
 
 
+PLAN_LINES = ("experts: resident (", "experts: streamed from SSD")
+
+
+def without_plan(text: str) -> str:
+    """A command's stderr without the line saying whether the experts are resident or
+    streamed (every command that loads a model prints it)."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith(PLAN_LINES))
+
+
 def corpus(path, documents: int = 12, words: int = 30):
     """A jsonl file of `documents` texts of `words` random words (seeded): data for the
     perplexity and compare tests."""

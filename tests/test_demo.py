@@ -143,7 +143,8 @@ def test_generate_command_with_the_demo_model(demo, capsys):
 
     assert main(["--model", "demo", "-p", "Hi", "-m", "2"]) == 0
     out, err = capsys.readouterr()
-    assert err == "demo model: a tiny random checkpoint, so the text is random\n"
+    assert err.splitlines()[0] == "demo model: a tiny random checkpoint, so the text is random"
+    assert err.splitlines()[1].startswith("experts: resident (") and err.count("\n") == 2
     assert "Generation: " in out and "Peak memory:" in out
 
 

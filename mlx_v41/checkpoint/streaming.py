@@ -15,15 +15,12 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..errors import CheckpointError
 from ..model.expert_policy import DEFAULT_POLICY
 from ..model.expert_reader import DEFAULT_THREADS, FileReader, Region
-from ..model.expert_store import (ExpertStore, Layout, check_regions, detach_experts,
-                                  expert_layout)
-from ..model.memory import human_bytes as _h, session_bytes
-from ..model.moe import SwitchMLP
+from ..model.expert_store import ExpertStore, Layout, check_regions, detach_experts
+from ..model.memory import human_bytes as _h, measure_weights, session_bytes
 
 AUTO, RESIDENT = "auto", "resident"
 KV_RESERVE_FRACTION = 0.10   # auto: share of the working set kept for caches and activations
@@ -79,14 +76,16 @@ class ExpertPlan:
 
 
 def plan_experts(expert_memory, expert_bytes: int, other_bytes: int, minimum: int, cfg,
-                 memory: Optional[int] = None) -> ExpertPlan:
+                 memory: Optional[int] = None, kv_bytes: Optional[int] = None) -> ExpertPlan:
     """The `ExpertPlan` for an `expert_memory` setting; `memory`: the working set for "auto"
-    (default: `working_set()`). A budget below `minimum` or above `expert_bytes` is a
-    ValueError naming both."""
+    (default: `working_set()`); `kv_bytes`: what "auto" keeps for caches at least (default:
+    one session of `KV_RESERVE_TOKENS`). A budget below `minimum` or above `expert_bytes` is
+    a ValueError naming both."""
     every = (expert_bytes, other_bytes, minimum)
     if expert_memory is None or expert_memory == AUTO:
         memory = working_set() if memory is None else memory
-        reserve = max(int(KV_RESERVE_FRACTION * memory), session_bytes(cfg, KV_RESERVE_TOKENS))
+        kv_bytes = session_bytes(cfg, KV_RESERVE_TOKENS) if kv_bytes is None else kv_bytes
+        reserve = max(int(KV_RESERVE_FRACTION * memory), kv_bytes)
         room = memory - reserve - other_bytes
         if room >= expert_bytes:
             return ExpertPlan(False, expert_bytes, *every,
@@ -172,17 +171,9 @@ def _gates(model, modules: list) -> list:
 def setup(model, expert_memory, cfg, memory: Optional[int] = None) -> tuple:
     """(ExpertPlan, ExpertStreaming or None) for a built, not yet loaded `model` whose
     quantized layouts are final."""
-    switches = [m for _, m in model.named_modules() if type(m) is SwitchMLP]
-    layouts = {}
-    expert_bytes = 0
-    for module in switches:
-        layout = expert_layout(module)
-        layouts[layout] = layout.nbytes
-        expert_bytes += layout.nbytes * module.n_experts
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    plan = plan_experts(expert_memory, expert_bytes, total - expert_bytes,
-                        sum(layouts.values()), cfg, memory)
-    if not plan.streamed or not switches:
+    sizes = measure_weights(model)
+    plan = plan_experts(expert_memory, sizes.experts, sizes.resident, sizes.minimum, cfg, memory)
+    if not plan.streamed or not sizes.experts:
         return plan, None
     return plan, ExpertStreaming(model, plan)
 

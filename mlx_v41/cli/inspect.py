@@ -21,8 +21,8 @@ from typing import Optional
 
 from ..cache.layer import RING_FACTOR, rollback_limit
 from ..checkpoint.converted import read_manifest
-from ..checkpoint.streaming import (AUTO, KV_RESERVE_FRACTION, KV_RESERVE_TOKENS, RESIDENT,
-                                    ExpertPlan, plan_experts)
+from ..checkpoint.streaming import (AUTO, KV_RESERVE_FRACTION, KV_RESERVE_TOKENS, ExpertPlan,
+                                    plan_experts)
 from ..errors import CheckpointError
 from ..model.config import ConfigError, ModelArgs, TextConfig, official_config_path
 from ..model.memory import (RECIPES, RecipeBytes, fixed_cache_bytes,  # noqa: F401 (API)
@@ -169,16 +169,15 @@ def _memory_lines(cfg: TextConfig, options: Options, own: RecipeBytes, session: 
 
 
 def expert_plan(sizes: RecipeBytes, cfg: TextConfig, working_set: int,
-                kv: int) -> Optional[ExpertPlan]:
+                kv: Optional[int] = None) -> Optional[ExpertPlan]:
     """The plan of `--expert-memory auto` on `working_set` bytes with at least `kv` bytes kept
-    for caches (auto itself keeps one session of KV_RESERVE_TOKENS tokens); None: even the
+    for caches (default: auto's, one session of KV_RESERVE_TOKENS tokens); None: even the
     smallest expert budget does not fit."""
-    reserve = max(int(KV_RESERVE_FRACTION * working_set), kv)
-    room = working_set - reserve - sizes.resident
-    if room < sizes.minimum:
+    try:
+        return plan_experts(AUTO, sizes.experts, sizes.resident, sizes.minimum, cfg,
+                            working_set, kv)
+    except ValueError:
         return None
-    budget = RESIDENT if room >= sizes.experts else room
-    return plan_experts(budget, sizes.experts, sizes.resident, sizes.minimum, cfg, working_set)
 
 
 def own_recipe(args: ModelArgs, folder: Optional[str] = None) -> RecipeBytes:
@@ -259,9 +258,8 @@ def mac_table(args: ModelArgs) -> str:
 
 
 def _mac_cells(sizes: RecipeBytes, cfg: TextConfig, work: int) -> str:
-    try:
-        plan = plan_experts(AUTO, sizes.experts, sizes.resident, sizes.minimum, cfg, work)
-    except ValueError:
+    plan = expert_plan(sizes, cfg, work)
+    if plan is None:
         return " | ".join(["does not fit", "-"] + ["-"] * len(MAC_HIT_RATES))
     if not plan.streamed:
         return " | ".join(["yes", "all experts"] + ["no SSD reads"] * len(MAC_HIT_RATES))

@@ -32,12 +32,11 @@ import numpy as np
 from .expert_policy import DEFAULT_POLICY, make_policy
 from .expert_prefetch import ReadAhead
 from ..errors import CheckpointError
-from .expert_reader import FileReader, Region
+from .expert_reader import FileReader
 from .layers import input_dims
-from .memory import human_bytes
+from .memory import PROJECTIONS, human_bytes
 from .moe import SwitchLinear, SwitchMLP, expert_products
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 LEAVES = ("weight", "scales", "biases")
 READ_BATCH = 16  # experts staged in host memory at a time (beside the slots)
 
@@ -353,5 +352,5 @@ def check_regions(modules: list, regions: list) -> None:
                                           f"{part.nbytes} ({path}.{part.proj}.{part.leaf})")
 
 
-__all__ = ["ExpertStore", "ExpertStats", "StreamedSwitchMLP", "Region", "detach_experts",
+__all__ = ["ExpertStore", "ExpertStats", "StreamedSwitchMLP", "detach_experts",
            "check_regions", "Layout", "Part"]

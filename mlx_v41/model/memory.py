@@ -110,7 +110,7 @@ def recipe_bytes(args: ModelArgs, recipe: str = "official",
         requantize_experts(model, PRESET_EXPERT_BITS[recipe])
     elif recipe != "official":
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
-    return _measure(model, recipe)
+    return measure_weights(model, recipe)
 
 
 def requantize_experts(model, bits: int) -> None:
@@ -127,7 +127,8 @@ def requantize_experts(model, bits: int) -> None:
                                    bits, PRESET_GROUP_SIZE)
 
 
-def _measure(model, name: str) -> RecipeBytes:
+def measure_weights(model, name: str = "this model") -> RecipeBytes:
+    """`RecipeBytes` of a built (possibly lazy, not yet loaded) `model` as it is laid out."""
     from .engram import EngramTable
 
     total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

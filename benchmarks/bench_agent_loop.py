@@ -33,7 +33,7 @@ import uvicorn  # noqa: E402
 import mlx_v41  # noqa: E402
 from mlx_v41.chat import format as cf  # noqa: E402
 from mlx_v41.server import PromptCacheStore, ServerConfig, create_app  # noqa: E402
-from mlx_v41.server.batch_engine import BatchEngine  # noqa: E402
+from mlx_v41.server.engine.batch import BatchEngine  # noqa: E402
 
 CHECKPOINT = ROOT / "tests/data/goldens/tiny/hf"
 TOOL = {"name": "run", "description": "Run a shell command and return its output",

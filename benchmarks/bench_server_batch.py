@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout too
 
 import mlx_v41  # noqa: E402
 from mlx_v41.server import Engine, PromptCacheStore  # noqa: E402
-from mlx_v41.server.batch_engine import BatchEngine  # noqa: E402
+from mlx_v41.server.engine.batch import BatchEngine  # noqa: E402
 from bench_server import Server  # noqa: E402  (this folder: the script's own)
 
 CHECKPOINT = ROOT / "tests/data/goldens/tiny/hf"

@@ -18,7 +18,7 @@ import uvicorn
 import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.server import Engine, PromptCacheStore, ServerConfig, create_app
-from mlx_v41.server.batch_engine import BatchEngine
+from mlx_v41.server.engine.batch import BatchEngine
 from checkpoint_factory import tiny_text_config, write_checkpoint
 from conftest import golden_checkpoint
 

@@ -28,7 +28,7 @@ from mlx_v41.generation.constrained import (Constraint, GrammarError, check_gram
 from mlx_v41.generation.speculative import DraftStats, Sampling, speculative_steps
 from mlx_v41.server.constraints import constraint_fields
 from mlx_v41.server.processors import base_fields, processors_from
-from mlx_v41.server.protocol import RequestError
+from mlx_v41.server.errors import RequestError
 from mlx_v41.server.reply_parser import parse_reply
 
 pytestmark = pytest.mark.usefixtures("cpu")

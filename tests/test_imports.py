@@ -146,3 +146,37 @@ def test_function_level_imports_are_read(tmp_path):
     modules = {"mlx_v41.kernels.x": source, "mlx_v41.model.layers": source,
                "mlx_v41.model": source}
     assert imports(modules)["mlx_v41.kernels.x"] == {"mlx_v41.model", "mlx_v41.model.layers"}
+
+
+SERVER_APIS = ("openai", "responses", "anthropic")  # mlx_v41/server/<api>/: one package each
+
+
+def api_of(module: str):
+    """The server API package a module belongs to (None: shared, engine or app)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "server" and parts[2] in SERVER_APIS \
+        else None
+
+
+def cross_api(edges: dict) -> list:
+    """Imports from one API's package into another's, or from the shared server modules and the
+    engine into any API's (only `server.app`, which mounts them all, may)."""
+    bad = []
+    for a, targets in edges.items():
+        if not a.startswith("mlx_v41.server") or a == "mlx_v41.server.app":
+            continue
+        bad += [f"{a} -> {b}" for b in targets
+                if api_of(b) is not None and api_of(b) != api_of(a)]
+    return sorted(bad)
+
+
+def test_server_apis_import_only_shared_modules():
+    edges = imports(package_modules())
+    assert {"mlx_v41.server.openai.routes", "mlx_v41.server.anthropic.routes",
+            "mlx_v41.server.responses.routes"} <= edges["mlx_v41.server.app"]
+    assert cross_api(edges) == []
+    assert cross_api({"mlx_v41.server.anthropic.routes": {"mlx_v41.server.openai.bodies"},
+                      "mlx_v41.server.serving": {"mlx_v41.server.responses.store"},
+                      "mlx_v41.server.app": {"mlx_v41.server.openai.routes"}}) == \
+        ["mlx_v41.server.anthropic.routes -> mlx_v41.server.openai.bodies",
+         "mlx_v41.server.serving -> mlx_v41.server.responses.store"]

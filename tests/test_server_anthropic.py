@@ -20,7 +20,7 @@ from PIL import Image
 
 import mlx_v41
 from mlx_v41.chat import format as cf
-from mlx_v41.server import anthropic_protocol as ap
+from mlx_v41.server.anthropic import protocol as ap
 from conftest import slow
 from server_harness import (MODEL_ID, forcing_server, get, one_past_the_bound, post, tiny,
                             write_swa_checkpoint)

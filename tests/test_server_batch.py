@@ -323,7 +323,7 @@ def test_n_choices_share_one_prefill(live):
 def test_dspark_requests_batch_and_equal_batch_one():
     """With --dspark the batching engine drafts for every request: two concurrent greedy
     requests run in one batch and each gets its batch-1 DSpark reply."""
-    from mlx_v41.server.batch_engine import BatchEngine
+    from mlx_v41.server.engine.batch import BatchEngine
 
     model, tokenizer = mlx_v41.load(golden_checkpoint("tiny"), dspark=True)
     server = LiveServer(model, tokenizer, batching={"draft": "dspark", "num_draft_tokens": 3,

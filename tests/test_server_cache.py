@@ -21,7 +21,7 @@ import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.generation.api import prefill
 from mlx_v41.generation.prompt_reuse import PromptCache
-from mlx_v41.server.prompt_store import PromptCacheStore
+from mlx_v41.server.engine.prompt_store import PromptCacheStore
 from conftest import golden_checkpoint, with_context, writable_copy
 from server_harness import MODEL_ID, Forcing, LiveServer, forcing_server, post, tiny
 

@@ -18,7 +18,7 @@ import pytest
 import mlx_v41
 from conftest import golden_checkpoint
 from mlx_v41.chat import format as cf
-from mlx_v41.server.messages import with_response_format
+from mlx_v41.server.conversation import with_response_format
 from server_harness import LiveServer, get, post, write_swa_checkpoint
 
 pytestmark = pytest.mark.usefixtures("cpu")

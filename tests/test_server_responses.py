@@ -17,7 +17,7 @@ import pytest
 import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.cli.server import setup_arg_parser
-from mlx_v41.server.responses_store import ResponseStore
+from mlx_v41.server.responses.store import ResponseStore
 from conftest import slow
 from server_harness import MODEL_ID, forcing_server, get, post, tiny
 

@@ -25,10 +25,11 @@ from mlx_v41.generation.prompt_reuse import PromptCache
 from mlx_v41.model.config import VisionConfig
 from mlx_v41.server.engine import StopStrings
 from mlx_v41.server.images import ImageReader
-from mlx_v41.server.messages import (allows_tool_calls, chat_messages, thinking_mode,
-                                     tool_choice)
-from mlx_v41.server.prompt_store import PromptCacheStore, align_to_tokens
-from mlx_v41.server.protocol import ChatCompletionRequest, RequestError, parse_body
+from mlx_v41.server.conversation import thinking_mode
+from mlx_v41.server.openai.messages import allows_tool_calls, chat_messages, tool_choice
+from mlx_v41.server.engine.prompt_store import PromptCacheStore, align_to_tokens
+from mlx_v41.server.errors import RequestError
+from mlx_v41.server.openai.protocol import ChatCompletionRequest, parse_body
 from mlx_v41.server.reply_parser import Reply, ReplyParser, parse_reply
 from server_harness import tiny
 
@@ -295,7 +296,7 @@ class ShareLink:
 
 
 def test_largest_shares_over_the_ranks():
-    from mlx_v41.server.ranks import largest_shares
+    from mlx_v41.server.engine.ranks import largest_shares
 
     model, tokenizer = tiny()
     state = state_for(model, tokenizer, "a cached prompt")

@@ -279,7 +279,7 @@ def test_a_followers_job_keeps_rank_0s_image_records(tmp_path):
     files named as rank 0's (`--prompt-cache-dir` across ranks finds them again)."""
     from mlx_v41.model.vision.prompt import prepare_prompt
     from mlx_v41.server.engine import Settings
-    from mlx_v41.server.ranks import FollowerJob, work_record
+    from mlx_v41.server.engine.ranks import FollowerJob, work_record
     from vision_fixtures import (SMALL_MIN_PIXELS, prompt_before_expansion, twin_images,
                                  vision_checkpoint)
 

@@ -20,7 +20,7 @@ from typing import Optional
 from .args import ArgumentParser, _number, add_model_arguments, load_options, report_experts
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..server.images import DEFAULT_MAX_IMAGE_BYTES
-from ..server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from ..server.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ..server.serving import DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
@@ -118,8 +118,9 @@ def build_app(args):
     from ..checkpoint.source import load
     from ..generation.group import ONE_PROCESS
     from ..server.engine import Engine
-    from ..server.prompt_store import PromptCacheStore
-    from ..server.routes import ServerConfig, create_app
+    from ..server.engine.prompt_store import PromptCacheStore
+    from ..server.app import create_app
+    from ..server.serving import ServerConfig
 
     loader = distributed_loader(args)
     model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
@@ -130,12 +131,12 @@ def build_app(args):
         mx.random.seed(args.seed)
     kind, group, batching = Engine, ONE_PROCESS, {}
     if loader:
-        from ..server.ranks import Follower, GroupEngine
+        from ..server.engine.ranks import Follower, GroupEngine
 
         group = model.group
         kind = GroupEngine if group.link.rank == 0 else Follower
     elif not args.serial:
-        from ..server.batch_engine import BatchEngine
+        from ..server.engine.batch import BatchEngine
 
         kind = BatchEngine
         batching = {"decode_concurrency": args.decode_concurrency,
@@ -164,7 +165,7 @@ def main(argv: Optional[list] = None) -> int:
     import uvicorn
 
     from ..distributed.link import DistributedError
-    from ..server.ranks import Follower
+    from ..server.engine.ranks import Follower
 
     try:
         app = build_app(args)

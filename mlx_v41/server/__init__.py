@@ -1,10 +1,14 @@
-"""The OpenAI-compatible server: request models (`protocol`), V4.1 semantics of a request
-(`messages`) and of a reply (`reply_parser`), the engine that serialises generation on one
-model (`engine`), its prompt-cache LRU (`prompt_store`), and the FastAPI app (`routes`).
+"""The server: one FastAPI app (app.py) over one engine (engine/: serial, batching, ranks, the
+prompt-cache store), with each API in its own package (openai/: chat completions and
+completions; responses/: the Responses API; anthropic/: Messages). The pieces every API shares
+sit here: request errors and bodies (errors.py, bodies.py), a conversation's thinking mode and
+answer format (conversation.py), constraints and logits processors (constraints.py,
+processors.py), the reply parser (reply_parser.py), images (images.py) and what routes share
+(serving.py: settings, submitting, SSE, awaiting).
 """
 
-from .engine import Engine
-from .prompt_store import PromptCacheStore
-from .routes import ServerConfig, create_app
+from .app import create_app
+from .engine import Engine, PromptCacheStore
+from .serving import ServerConfig
 
 __all__ = ["Engine", "PromptCacheStore", "ServerConfig", "create_app"]

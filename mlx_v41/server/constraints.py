@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from ..chat import grammar
 from ..generation.constrained import GrammarError, check_grammar
-from .protocol import RequestError
+from .errors import RequestError
 
 JSON_OBJECT = "json_object"  # an answer that is any JSON object
 
@@ -65,3 +65,26 @@ def constraint_fields(tokenizer, *, tools: list, calls: str = "auto",
         raise RequestError(f"{param}: the grammar library cannot compile it ({e})",
                            param=param) from None
     return {"grammar": text, "thinking": thinking, "reasoning_budget": reasoning_budget}
+
+
+def answer_format(response_format: Optional[dict], param: str = "response_format"):
+    """What `response_format` asks of the answer: None (text), "json_object" or the JSON
+    schema of `json_schema` (OpenAI's shapes; Responses' `text.format` is the same flattened:
+    its name, schema and strict sit beside the type)."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object"
+    if kind != "json_schema":
+        raise RequestError(f"{param}.type must be 'text', 'json_object' or 'json_schema', got "
+                           f"{kind!r}", param=f"{param}.type")
+    spec = response_format.get("json_schema", response_format)
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        where = f"{param}.json_schema.schema" if "json_schema" in response_format else \
+            f"{param}.schema"
+        raise RequestError(f"{where} must be a JSON schema object", param=where)
+    return schema

@@ -17,7 +17,8 @@ from PIL import Image, UnidentifiedImageError
 
 from ..model.vision.preprocess import ImageError, plan_image_grid
 from ..model.vision.prompt import VISION_MISSING, has_vision
-from .protocol import ContentPart, RequestError
+from .bodies import ContentPart
+from .errors import RequestError
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 IMAGE_ROLES = ("user", "tool")  # where the chat format renders image blocks

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from ..chat import format as cf
 from ..generation.constrained import Constraint
-from .protocol import RequestError
+from .errors import RequestError
 
 
 def processor_fields(body, vocab: int, allow_calls: bool) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -20,7 +21,8 @@ from ..model.vision.prompt import ImagePrompt, prepare_prompt
 from .engine import Settings, Token
 from .images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from .processors import processors_from
-from .protocol import MAX_SEED, RequestError
+from ..generation.sequence import MAX_SEED
+from .errors import RequestError
 
 DEFAULT_MODEL_ALIAS = "default_model"  # mlx-lm's name for the model the server loaded
 DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
@@ -147,3 +149,7 @@ async def collect(job) -> tuple:
         else:
             finish = event
     return tokens, finish
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"

@@ -6,37 +6,18 @@ and a field we know but cannot honour is refused by name.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from ..generation.sequence import MAX_SEED
+from ...generation.sequence import MAX_SEED
+from ..bodies import ContentPart, StrictBody, check_text
+from ..constraints import answer_format
+from ..errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat completions
 MAX_COMPLETION_LOGPROBS = 5  # and for completions
 MAX_CHOICES = 16  # most choices (`n`) per request: each is a sequence of the batch
-
-
-class RequestError(ValueError):
-    """A request we refuse: HTTP `status`, OpenAI error `code` and the `param` at fault."""
-
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 code: Optional[str] = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
-
-
-class StrictBody(BaseModel):
-    """A request body of any API: strict types, unknown fields ignored, no NaN or Infinity."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class ContentPart(StrictBody):
-    type: str
-    text: Optional[str] = None
-    image_url: Optional[Any] = None  # {"url": "data:..."} or the URI itself
-    image: Optional[Any] = None  # the same, under the name of the "image" part type
 
 
 class FunctionCall(StrictBody):
@@ -153,29 +134,6 @@ def parse_body(model_class, body):
     return request
 
 
-def check_text(value, where: str) -> None:
-    """Refuse a string (or key) holding a lone surrogate, which JSON's "\\ud800" escapes
-    allow but UTF-8 cannot carry; `where` names it as a validation error's location would."""
-    if isinstance(value, str):
-        _check_string(value, where, "")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_string(key, where, "a key's ")
-            check_text(item, f"{where}.{key}" if where else key)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_text(item, f"{where}.{i}")
-
-
-def _check_string(text: str, where: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{where or 'body'}: {what}lone surrogate U+{ord(text[e.start]):04X} "
-                           f"at character {e.start} is not valid text", param=where or None
-                           ) from None
-
-
 def _check_unsupported(request) -> None:
     """Known OpenAI fields whose non-default values this server cannot honour."""
     if request.n > MAX_CHOICES:
@@ -186,25 +144,3 @@ def _check_unsupported(request) -> None:
         return
     answer_format(request.response_format)
 
-
-def answer_format(response_format: Optional[dict], param: str = "response_format"):
-    """What `response_format` asks of the answer: None (text), "json_object" or the JSON
-    schema of `json_schema` (OpenAI's shapes; Responses' `text.format` is the same flattened:
-    its name, schema and strict sit beside the type)."""
-    if not response_format:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json_object"
-    if kind != "json_schema":
-        raise RequestError(f"{param}.type must be 'text', 'json_object' or 'json_schema', got "
-                           f"{kind!r}", param=f"{param}.type")
-    spec = response_format.get("json_schema", response_format)
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        where = f"{param}.json_schema.schema" if "json_schema" in response_format else \
-            f"{param}.schema"
-        raise RequestError(f"{where} must be a JSON schema object", param=where)
-    return schema

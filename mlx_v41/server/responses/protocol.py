@@ -11,10 +11,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError
 
-from .images import IMAGE_PART_TYPES, ImageReader
-from .messages import thinking_mode
-from . import protocol
-from .protocol import MAX_SEED, ContentPart, RequestError, StrictBody
+from ...generation.sequence import MAX_SEED
+from ..bodies import ContentPart, StrictBody
+from ..constraints import answer_format as format_of
+from ..conversation import thinking_mode
+from ..errors import RequestError
+from ..images import IMAGE_PART_TYPES, ImageReader
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 NOT_SUPPORTED = ("background", "conversation", "prompt")  # fields refused when set
@@ -249,7 +251,7 @@ def answer_format(body: ResponsesRequest):
     """What `text.format` asks of the answer: None (text), "json_object" or a JSON schema."""
     if body.text is None:
         return None
-    return protocol.answer_format(body.text.format.model_dump(by_alias=True, exclude_none=True),
+    return format_of(body.text.format.model_dump(by_alias=True, exclude_none=True),
                                   "text.format")
 
 

@@ -22,13 +22,13 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..generation.api import DEFAULT_PREFILL_STEP_SIZE, wired_limit
-from ..generation.batch import BatchGenerator
-from ..model.memory import session_bytes
-from ..model.vision.prompt import ImagePrompt
-from .engine import Engine, Finish, Job, StopStrings, Token
+from ...generation.api import DEFAULT_PREFILL_STEP_SIZE, wired_limit
+from ...generation.batch import BatchGenerator
+from ...model.memory import session_bytes
+from ...model.vision.prompt import ImagePrompt
+from .serial import Engine, Finish, Job, StopStrings, Token
 from .prompt_store import align_to_tokens
-from .protocol import RequestError
+from ..errors import RequestError
 
 log = logging.getLogger("mlx_v41.server")
 

@@ -12,21 +12,22 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..chat import format as cf
-from .constraints import constraint_fields
-from .engine import Settings, Token
-from .images import ImageReader
-from .messages import with_response_format
-from .processors import base_fields
-from .protocol import RequestError, check_text
-from .reply_parser import ReplyParser
-from .responses import error_body, new_id
-from .responses_events import ResponseBuilder, sse
-from .responses_protocol import (Conversation, ResponsesRequest, answer_format,
+from ...chat import format as cf
+from ..bodies import check_text
+from ..constraints import constraint_fields
+from ..conversation import with_response_format
+from ..engine import Settings, Token
+from ..errors import RequestError, error_body
+from ..images import ImageReader
+from ..processors import base_fields
+from ..reply_parser import ReplyParser
+from ..serving import new_id
+from .events import ResponseBuilder, sse
+from .protocol import (Conversation, ResponsesRequest, answer_format,
                                  check_supported, function_tools, input_items,
                                  reasoning_mode, tool_choice, tool_spec, validated)
-from .responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse
-from .serving import expanded_prompt, read_json, sse_response, submit, until_done
+from .store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse
+from ..serving import expanded_prompt, read_json, sse_response, submit, until_done
 
 log = logging.getLogger("mlx_v41.server")
 PARAMS = {"tools": "tools", "tool_choice": "tool_choice", "format": "text.format.schema"}

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..chat import format as cf
-from .images import IMAGE_PART_TYPES, ImageReader
-from .constraints import constraint_fields
-from .protocol import ChatCompletionRequest, ChatMessage, RequestError, answer_format
+from ..constraints import answer_format, constraint_fields
+from ..errors import RequestError
+from ..images import IMAGE_PART_TYPES, ImageReader
+from .protocol import ChatCompletionRequest, ChatMessage
 
-# OpenAI's reasoning_effort names on V4.1's scale; V4.1's own (low, high, max, 1-100) pass.
-OPENAI_EFFORTS = {"minimal": "low", "medium": "high", "xhigh": "max"}
-NO_REASONING = "none"  # OpenAI's "no reasoning": V4.1's chat mode
 NO_VISION = ImageReader(None)  # what a caller that names no reader gets: images refused
 
 
@@ -62,40 +59,6 @@ def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] =
     if system_prompt and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system_prompt})
     return out
-
-
-def with_response_format(messages: list, response_format: Optional[dict]) -> list:
-    """`messages` with a JSON `response_format` on the system message, where the chat format
-    renders it (the official encoding tells the model the schema; the grammar enforces it);
-    a conversation without a system message gets an empty one."""
-    if not response_format or response_format.get("type") == "text":
-        return messages
-    if not messages or messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": ""}] + messages
-    return [dict(messages[0], response_format=response_format)] + messages[1:]
-
-
-def thinking_mode(request: ChatCompletionRequest, default_thinking: bool, default_effort):
-    """(thinking, reasoning_effort) from `chat_template_kwargs.thinking` (or
-    `enable_thinking`) and `reasoning_effort`; "none" is chat mode, an effort alone turns
-    thinking on."""
-    kwargs = request.chat_template_kwargs or {}
-    thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
-    if thinking is not None and not isinstance(thinking, bool):
-        raise RequestError("chat_template_kwargs.thinking must be true or false",
-                           param="chat_template_kwargs.thinking")
-    effort = request.reasoning_effort
-    if effort == NO_REASONING:
-        return False, default_effort
-    effort = OPENAI_EFFORTS.get(effort, effort)
-    if effort is not None:
-        try:
-            cf.resolve_reasoning_effort(effort)
-        except ValueError as e:
-            raise RequestError(str(e), param="reasoning_effort") from None
-    if thinking is None:
-        thinking = default_thinking if effort is None else True
-    return thinking, default_effort if effort is None else effort
 
 
 def allows_tool_calls(request: ChatCompletionRequest) -> bool:

@@ -1,7 +1,6 @@
-"""The FastAPI app: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /health`. Routes validate, render the prompt (image placeholders expanded into their
-spans) and hand it to the engine; errors come back in OpenAI's JSON shape; a client that goes
-away cancels its request.
+"""OpenAI's chat completions and completions: `POST /v1/chat/completions` and
+`POST /v1/completions`. Routes validate, render the prompt (image placeholders expanded into
+their spans) and hand it to the engine; a client that goes away cancels its request.
 """
 
 from __future__ import annotations
@@ -9,126 +8,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import asynccontextmanager
-from typing import Callable, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
 
-from ..chat import format as cf
-from ..model.vision.prompt import ImagePrompt
-from .engine import Engine, EngineBusy, EngineClosed, Token
-from .images import ImageReader
-from .messages import (allows_tool_calls, chat_messages, request_constraint, thinking_mode,
-                       with_response_format)
-from .processors import processor_fields
-from .protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
-                       parse_body)
-from .reply_parser import Reply, ReplyParser, parse_reply
-from .serving import (ServerConfig, collect,
-                      expanded_prompt, read_json, sse_response, submit, until_done)
-from . import anthropic_messages, openai_responses
-from . import responses as out
+from ...chat import format as cf
+from ...model.vision.prompt import ImagePrompt
+from ..conversation import thinking_mode, with_response_format
+from ..engine import Token
+from ..errors import RequestError, error_body
+from ..images import ImageReader
+from ..processors import processor_fields
+from ..reply_parser import Reply, ReplyParser, parse_reply
+from ..serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
+from . import bodies as out
+from .messages import allows_tool_calls, chat_messages, request_constraint
+from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("mlx_v41.server")
 
 
-def create_app(engine: Engine, config: ServerConfig,
-               logits_processors: Optional[Callable] = None) -> FastAPI:
-    """The app over a (not yet started) engine; its lifespan starts and closes the engine.
-
-    `logits_processors(request, prompt_ids)`, when given, returns extra mlx-lm logits
-    processors for a request (an embedding application's hook, e.g. constrained decoding).
-    """
-
-    @asynccontextmanager
-    async def lifespan(app):
-        await asyncio.to_thread(engine.start)  # loads the persisted prompt caches
-        yield
-        await asyncio.to_thread(engine.close)
-
-    app = FastAPI(title="mlx_v41", lifespan=lifespan)
-    app.state.engine, app.state.config = engine, config
-    app.state.logits_processors = logits_processors
-    app.state.token_text = out.TokenText(engine.tokenizer)
-    _add_error_handlers(app)
-    _add_routes(app)
-    return app
-
-
-def _error(status: int, message: str, **fields) -> JSONResponse:
-    return JSONResponse(out.error_body(message, **fields), status_code=status)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    def error(request, status: int, message: str, **fields) -> JSONResponse:
-        """OpenAI's error shape, or Anthropic's under its Messages API's paths."""
-        if request.url.path.startswith(anthropic_messages.PATH):
-            return JSONResponse(anthropic_messages.error_body(status, message),
-                                status_code=status)
-        return _error(status, message, **fields)
-
-    @app.exception_handler(RequestError)
-    async def request_error(request, e: RequestError):
-        return error(request, e.status, str(e), kind=e.kind, param=e.param, code=e.code)
-
-    @app.exception_handler(EngineBusy)
-    async def busy(request, e):
-        return error(request, 429, str(e), kind="rate_limit_error", code="server_busy")
-
-    @app.exception_handler(EngineClosed)
-    async def closed(request, e):
-        return error(request, 503, str(e), kind="server_error", code="shutting_down")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        return error(request, e.status_code, str(e.detail), kind="invalid_request_error")
-
-    def internal(request, e: Exception) -> JSONResponse:
-        log.exception("request failed", exc_info=e)
-        return error(request, 500, f"internal error: {type(e).__name__}: {e}",
-                     kind="server_error")
-
-    app.add_middleware(_InternalErrors, respond=internal)
-
-
-class _InternalErrors:
-    """Turns an exception no handler took into a 500 in the API's shape, here rather than in
-    Starlette's outermost handler, which answers and then re-raises, so that uvicorn closes
-    the connection and a client reusing it fails on its next request."""
-
-    def __init__(self, app, respond):
-        self.app, self.respond = app, respond
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        except Exception as e:
-            if started:  # the response is under way: nothing else can be sent
-                raise
-            await self.respond(Request(scope), e)(scope, receive, send)
-
-
-def _add_routes(app: FastAPI) -> None:
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        entry = {"id": app.state.config.model_id, "object": "model", "created": 0,
-                 "owned_by": "mlx_v41"}
-        return {"object": "list", "data": [entry]}
+def add_routes(app: FastAPI) -> None:
+    app.state.token_text = out.TokenText(app.state.engine.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -159,8 +60,6 @@ def _add_routes(app: FastAPI) -> None:
         return await until_done(request, jobs, _gathered(
             [_completion_result(app, job) for job in jobs]))
 
-    anthropic_messages.add_routes(app)
-    openai_responses.add_routes(app)
 
 
 def _chat_prompt(app: FastAPI, body: ChatCompletionRequest) -> tuple:
@@ -297,7 +196,7 @@ async def _chat_stream(app: FastAPI, body: ChatCompletionRequest, job, thinking:
                 pending = []
     except Exception as e:  # after the headers went out: the error is the stream's last event
         log.warning("streamed request failed: %s", e)
-        yield out.sse(out.error_body(f"internal error: {type(e).__name__}: {e}",
+        yield out.sse(error_body(f"internal error: {type(e).__name__}: {e}",
                                      kind="server_error"))
         return
     finish = job.finish
@@ -322,7 +221,7 @@ async def _completion_stream(app: FastAPI, body: CompletionRequest, job, cid: st
             offset += len(event.text)
     except Exception as e:
         log.warning("streamed request failed: %s", e)
-        yield out.sse(out.error_body(f"internal error: {type(e).__name__}: {e}",
+        yield out.sse(error_body(f"internal error: {type(e).__name__}: {e}",
                                      kind="server_error"))
         return
     if last:

@@ -19,13 +19,13 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..cache.layer import CacheError, cache_bytes, trim_cache
-from ..cache.persistence import fingerprints
-from ..distributed.cache_files import rank_path
-from ..distributed.group import RankGroup
-from ..distributed.lines import share_line
-from ..generation.group import ONE_PROCESS, ProcessGroup
-from ..generation.prompt_reuse import (PromptCache, kept_prefix, read_prompt_cache,
+from ...cache.layer import CacheError, cache_bytes, trim_cache
+from ...cache.persistence import fingerprints
+from ...distributed.cache_files import rank_path
+from ...distributed.group import RankGroup
+from ...distributed.lines import share_line
+from ...generation.group import ONE_PROCESS, ProcessGroup
+from ...generation.prompt_reuse import (PromptCache, kept_prefix, read_prompt_cache,
                                        shared_spans, write_prompt_cache)
 
 log = logging.getLogger("mlx_v41.server")

@@ -7,20 +7,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Optional
 
-from .engine import Finish
-from .reply_parser import Delta, Reply
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+from ..engine import Finish
+from ..reply_parser import Delta, Reply
+from ..serving import new_id
 
 
 def sse(data) -> str:

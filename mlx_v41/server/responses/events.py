@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from .engine import Finish
-from .reply_parser import Delta
-from .responses import new_id
+from ..engine import Finish
+from ..reply_parser import Delta
+from ..serving import new_id
 
 ITEM_OF_DELTA = {"reasoning": "reasoning", "content": "message", "call": "function_call",
                  "arguments": "function_call"}

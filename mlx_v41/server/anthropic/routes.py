@@ -1,7 +1,7 @@
 """Anthropic's Messages API: `POST /v1/messages` (streamed as Anthropic's named SSE events or
 not) and `POST /v1/messages/count_tokens`. The request is rendered with V4.1's chat format,
 its reply split by `ReplyParser` into thinking, text and tool_use content blocks; errors come
-back in Anthropic's shape (`error_body`, also used by routes.py's handlers for these paths).
+back in Anthropic's shape (`error_body`, also used by app.py's handlers for these paths).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
-from ..chat import format as cf
-from ..model.vision.prompt import ImagePrompt
-from . import anthropic_protocol as ap
-from .constraints import constraint_fields
-from .engine import Finish, Token
-from .images import ImageReader
-from .messages import with_response_format
-from .processors import base_fields
-from .protocol import RequestError
-from .responses import new_id
-from .reply_parser import Delta, ReplyParser
-from .serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
+from ...chat import format as cf
+from ...model.vision.prompt import ImagePrompt
+from . import protocol as ap
+from ..constraints import constraint_fields
+from ..conversation import with_response_format
+from ..engine import Finish, Token
+from ..errors import RequestError
+from ..images import ImageReader
+from ..processors import base_fields
+from ..reply_parser import Delta, ReplyParser
+from ..serving import new_id
+from ..serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
 
 log = logging.getLogger("mlx_v41.server")
 
@@ -82,7 +82,7 @@ def add_routes(app: FastAPI) -> None:
 
 
 def render(app: FastAPI, body: ap.CountTokensRequest) -> Rendered:
-    """The request's prompt, rendered as routes.py renders a chat completion's."""
+    """The request's prompt, rendered as openai/routes.py renders a chat completion's."""
     config, engine = app.state.config, app.state.engine
     tokenizer = engine.tokenizer
     images = ImageReader.for_model(engine.model, config.max_image_bytes, config.max_image_pixels)

@@ -11,9 +11,10 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, ValidationError
 
-from ..generation.sequence import MAX_SEED
-from .images import ImageReader
-from .protocol import ContentPart, RequestError, StrictBody, check_text
+from ...generation.sequence import MAX_SEED
+from ..bodies import ContentPart, StrictBody, check_text
+from ..errors import RequestError
+from ..images import ImageReader
 
 # thinking.budget_tokens below each bound takes that effort, a larger one "max" (V4.1's
 # low = 50, high = 75, max = 100): Claude Code's "think" (4,000) is low, "think hard"

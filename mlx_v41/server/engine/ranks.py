@@ -14,14 +14,14 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
-from ..distributed.lines import share_line
-from ..distributed.link import DistributedError
-from ..distributed.prompt import followed_prompt, leading_prompt, span_grids
-from ..generation.api import wired_limit
-from .engine import Engine, Finish, Job, Settings
-from .processors import processors_from
+from ...distributed.lines import share_line
+from ...distributed.link import DistributedError
+from ...distributed.prompt import followed_prompt, leading_prompt, span_grids
+from ...generation.api import wired_limit
+from .serial import Engine, Finish, Job, Settings
+from ..processors import processors_from
 from .prompt_store import StoreMismatch, largest_shares
-from .protocol import RequestError
+from ..errors import RequestError
 
 log = logging.getLogger("mlx_v41.server")
 

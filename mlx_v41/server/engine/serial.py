@@ -15,12 +15,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..generation.api import prefill, stream_decode, wired_limit
-from ..generation.group import ONE_PROCESS, ProcessGroup
-from ..generation.speculative import Sampling
-from ..model.vision.prompt import ImagePrompt, prepare_prompt
+from ...generation.api import prefill, stream_decode, wired_limit
+from ...generation.group import ONE_PROCESS, ProcessGroup
+from ...generation.speculative import Sampling
+from ...model.vision.prompt import ImagePrompt, prepare_prompt
 from .prompt_store import PromptCacheStore, align_to_tokens
-from .reply_parser import held_suffix
+from ..reply_parser import held_suffix
 
 log = logging.getLogger("mlx_v41.server")
 

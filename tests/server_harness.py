@@ -1,15 +1,23 @@
 """A live `mlx_v41.server` for tests: uvicorn on 127.0.0.1 on a free port in a background
-thread, the real `openai` client, raw HTTP, and a logits processor that forces a reply."""
+thread, the real `openai` client, raw HTTP (SSE lines too), a logits processor that forces a
+reply, and the CLI as a process (`CliServer`)."""
 
 from __future__ import annotations
 
 import functools
 import http.client
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+import asyncio
 
 import mlx.core as mx
 import openai
@@ -18,6 +26,8 @@ import uvicorn
 import mlx_v41
 from mlx_v41.chat import format as cf
 from mlx_v41.server import Engine, PromptCacheStore, ServerConfig, create_app
+from mlx_v41.server.app import create_loading_app
+from mlx_v41.server.lifecycle import Swap
 from mlx_v41.server.engine.batch import BatchEngine
 from checkpoint_factory import tiny_text_config, write_checkpoint
 from conftest import golden_checkpoint
@@ -84,13 +94,16 @@ def _raising(error: Exception):
 
 
 class LiveServer:
-    """`create_app` served by uvicorn in a thread; `close()` shuts it down like Ctrl-C. The
-    engine batches (`BatchEngine`, with `batching` options) as `mlx_v41.server` does, unless
-    `serial` or a `draft` asks for the one-at-a-time `Engine`."""
+    """`create_app` served by uvicorn in a thread; `close()` shuts it down like Ctrl-C,
+    `drain()` as `mlx_v41.server`'s SIGTERM does. The engine batches (`BatchEngine`, with
+    `batching` options) as `mlx_v41.server` does, unless `serial` or a `draft` asks for the
+    one-at-a-time `Engine`. `api_keys` and `allowed_origins` go to `create_app`; with
+    `loading`, the server listens with the loading app until `finish_loading()` (as
+    `mlx_v41.server` does while the model loads)."""
 
     def __init__(self, model, tokenizer, *, folder=None, cache_bytes=1 << 30,
                  max_concurrent=8, draft=None, hook=None, serial=False, batching=None,
-                 **config):
+                 api_keys=(), allowed_origins=(), loading=False, **config):
         self.hook = hook
         self.store = PromptCacheStore(model, cache_bytes, folder)
         if serial or draft:
@@ -99,12 +112,15 @@ class LiveServer:
         else:
             self.engine = BatchEngine(model, tokenizer, self.store,
                                       max_concurrent=max_concurrent, **(batching or {}))
-        self.app = create_app(self.engine, ServerConfig(model_id=MODEL_ID, **config), hook)
+        self.app = create_app(self.engine, ServerConfig(model_id=MODEL_ID, **config), hook,
+                              api_keys=api_keys, allowed_origins=allowed_origins)
+        self.swap = Swap(create_loading_app(api_keys, allowed_origins)) if loading else None
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
+        self.server = uvicorn.Server(uvicorn.Config(self.swap or self.app, log_level="warning",
                                                     timeout_graceful_shutdown=2))
+        self.app.state.lifecycle.on_drained = self.stop
         self.thread = threading.Thread(target=self.server.run,
                                        kwargs={"sockets": [self.socket]}, daemon=True)
         self.thread.start()
@@ -119,11 +135,23 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
-                             **kwargs)
+        return openai.OpenAI(base_url=self.base_url, max_retries=0,
+                             **{"api_key": "unused", **kwargs})
+
+    def finish_loading(self) -> None:
+        """The model is in: serve the app (its engine starts first)."""
+        asyncio.run_coroutine_threadsafe(self.swap.swap(self.app), self.swap.loop).result(60)
+
+    def drain(self, seconds: float):
+        """Start a drain as SIGTERM does (the server stops once it is over); its future."""
+        lifecycle = self.app.state.lifecycle
+        return asyncio.run_coroutine_threadsafe(lifecycle.drain(seconds), lifecycle.loop)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
 
     def close(self) -> None:
-        self.server.should_exit = True
+        self.stop()
         self.thread.join(timeout=30)
         self.socket.close()
 
@@ -185,3 +213,92 @@ def one_past_the_bound(live: LiveServer, path: str, body) -> tuple:
     for t in threads:
         t.join()
     return extra, sorted(status for status, _ in results)
+
+
+def call(port: int, method: str, path: str, body=None, headers=None, timeout=60.0) -> tuple:
+    """(status, headers with lower-case names, JSON body or text) of one raw request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = None if body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    raw = response.read().decode()
+    conn.close()
+    try:
+        raw = json.loads(raw)
+    except json.JSONDecodeError:
+        pass
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, raw
+
+
+def sse_lines(port: int, path: str, body: dict, into: list, started: threading.Event) -> None:
+    """Read a streamed reply's lines into `into` ("data: ..." / "event: ..."); `started` is
+    set once the first line came."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    into.append(response.status)
+    for raw in response:
+        line = raw.decode().strip()
+        if line:
+            into.append(line)
+            started.set()
+    conn.close()
+
+
+def sse_data(lines: list) -> list:
+    """The JSON of each `data:` line (bar [DONE])."""
+    return [json.loads(line[6:]) for line in lines[1:]
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+class CliServer:
+    """`python -m mlx_v41.server` on the tiny checkpoint (on a free port, with `flags`), its
+    stderr collected on a thread; `ready()` waits for /health to say 200."""
+
+    def __init__(self, *flags):
+        command = [sys.executable, "-m", "mlx_v41.server", "--model",
+                   str(golden_checkpoint("tiny")), "--port", "0", *flags]
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                                        stdout=subprocess.DEVNULL,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.port = self._wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    @property
+    def err(self) -> str:
+        return "".join(self.lines)
+
+    def _wait_for(self, pattern: str, seconds: float = 120) -> int:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.err)
+            if match:
+                return int(match.group(1))
+            assert self.process.poll() is None, self.err
+            time.sleep(0.05)
+        raise AssertionError("the server did not start:\n" + self.err)
+
+    def ready(self, seconds: float = 120) -> None:
+        deadline = time.monotonic() + seconds
+        while call(self.port, "GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, self.err
+            time.sleep(0.1)
+
+    def stop(self, sig=signal.SIGTERM, seconds: float = 60) -> tuple:
+        """Send `sig`; (exit status, seconds it took)."""
+        tic = time.monotonic()
+        self.process.send_signal(sig)
+        status = self.process.wait(timeout=seconds)
+        self.reader.join(10)
+        return status, time.monotonic() - tic
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

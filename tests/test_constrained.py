@@ -9,18 +9,23 @@ CPU backend (bit-exact batches)."""
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import jsonschema
 import mlx.core as mx
 import numpy as np
+import openai
+import pydantic
 import pytest
 from llguidance import LLMatcher
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_v41
-from conftest import golden_checkpoint, reference_ops, slow
+from nested_models import Colour, Point
+from conftest import golden_checkpoint, reference_ops, slow, writable_copy
 from mlx_v41.chat import format as cf
 from mlx_v41.chat.grammar import SchemaError, reply_grammar
+from mlx_v41.chat.tokenizer import load_tokenizer
 from mlx_v41.generation.api import prefill
 from mlx_v41.generation.batch import BatchGenerator
 from mlx_v41.generation.constrained import (Constraint, GrammarError, check_grammar,
@@ -379,6 +384,44 @@ def test_string_pattern_and_length_both_hold(loaded, code, ok):
     assert replays(tokenizer, call_grammar(tokenizer, [tool]), ids) == ok
 
 
+
+
+
+
+class Shape(pydantic.BaseModel):
+    """Nested models, an enum and an optional string: `$ref`s into `$defs` (pydantic's
+    schema, and OpenAI strict mode's as `pydantic_function_tool` writes it)."""
+    centre: Point
+    corners: list[Point] = pydantic.Field(max_length=2)
+    colour: Colour = pydantic.Field(description="fill")
+    label: Optional[str] = None
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_tool_schemas_with_refs_into_defs(loaded, strict):
+    """Each parameter compiles with the tool schema's `$defs`; a string behind a `$ref` (an
+    enum) or in an `anyOf` with null is raw text, as the renderer writes strings: the
+    renderer's text of the calls is a reply the grammar takes, and the parser reads back
+    the arguments."""
+    _, tokenizer = loaded
+    schema = openai.pydantic_function_tool(Shape)["function"]["parameters"] if strict \
+        else Shape.model_json_schema()
+    tool = {"name": "shape", "parameters": schema}
+    grammar = call_grammar(tokenizer, [tool])
+    check_grammar(grammar, tokenizer)
+    for label in (None, "a</b"):
+        arguments = {"centre": {"x": 1, "colour": "red"},
+                     "corners": [{"x": 2, "colour": "green"}], "colour": "green",
+                     "label": label}
+        text = cf.render_tool_calls([{"name": "shape", "arguments": arguments}])
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert replays(tokenizer, grammar, ids), text
+        [call] = parse_reply(text, thinking=False).calls
+        assert Shape.model_validate_json(call["arguments"]) == Shape(**arguments)
+    answer = answer_grammar(tokenizer, schema)  # the same schema as a JSON answer
+    check_grammar(answer, tokenizer)
+
+
 # ---------------------------------------------------------------- answer or call
 
 
@@ -673,4 +716,58 @@ def test_rollback_equals_fresh(loaded):
         fresh(mx.array(prompt), logits)
         history = mx.array(prompt + other[:n])
         assert allowed(walked(history, logits)) == allowed(fresh(history, logits)), n
-    assert np.array_equal(walked(mx.array(prompt + one[:5] + [refused]), logits), logits)
+    # after a refused token (a rejected draft's successors) nothing unconstrained may follow
+    row = walked(mx.array(prompt + one[:5] + [refused]), logits)
+    assert allowed(row) == sorted(tokenizer.eos_token_ids)
+    assert np.array_equal(np.array(row[0])[allowed(row)], np.array(logits[0])[allowed(row)])
+
+
+# ---------------------------------------------------------------- where a reply ends
+
+
+def test_a_finished_grammar_ends_on_the_stop_tokens(tmp_path, loaded):
+    """A tokenizer whose Hugging Face eos is not the chat format's EOS (its tokenizer_config
+    names the pad token): when the grammar is done, the mask lets through every token the
+    decoding loop stops on, the chat format's EOS (which ends every rendered turn) included,
+    not the Hugging Face eos alone."""
+    _, wrapper = loaded
+    folder = writable_copy(golden_checkpoint("tiny"), tmp_path / "hf")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, eos_token=cf.PAD)))
+    tokenizer = load_tokenizer(folder)
+    stops = sorted(tokenizer.eos_token_ids)
+    assert tokenizer._tokenizer.eos_token == cf.PAD and stops == [1, 2]
+    prompt, logits = chat(wrapper), mx.zeros((1, 512))
+    for grammar, text in [(answer_grammar(tokenizer, ANSWERS["optional"]), '{"a": 3}'),
+                          (call_grammar(tokenizer, [PING]),
+                           cf.render_tool_calls([{"name": "ping", "arguments": {}}]))]:
+        processor = constraint(tokenizer, grammar).processor()
+        processor(mx.array(prompt), logits)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert allowed(processor(mx.array(prompt + ids), logits)) == stops, text
+
+
+def test_reply_bans_the_tokens_only_a_prompt_places(loaded):
+    """A chat reply's processors give every special token -inf but EOS, `</think>` and DSML
+    (calls allowed); under `tool_choice: "none"` DSML too; a raw completion none (DSML
+    without calls)."""
+    model, tokenizer = loaded
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in (
+        cf.BOS, cf.EOS, cf.PAD, cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK_START,
+        cf.THINK_END, cf.DSML, cf.LATEST_REMINDER, cf.IMAGE_PLACEHOLDER)}
+    kept = {cf.EOS, cf.THINK_END, cf.DSML}
+    logits = mx.zeros((1, model.cfg.vocab_size))
+    prompt = mx.array(chat(tokenizer))
+
+    def banned(**fields) -> set:
+        row = logits
+        for processor in processors_from(base_fields(**fields), tokenizer):
+            row = processor(prompt, row)
+        return {name for name, i in ids.items() if not np.isfinite(np.array(row[0, i]))}
+    assert banned(allow_calls=True) == set(ids) - kept
+    assert banned(allow_calls=False) == set(ids) - kept | {cf.DSML}
+    assert banned(allow_calls=True, chat=False) == set()
+    assert banned(allow_calls=False, chat=False) == {cf.DSML}
+    free = [t for t in range(model.cfg.vocab_size) if t not in ids.values()]
+    row = processors_from(base_fields(True), tokenizer)[-1](prompt, logits)
+    assert np.isfinite(np.array(row[0])[free]).all()  # ordinary tokens untouched

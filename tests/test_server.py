@@ -48,7 +48,7 @@ def reference(messages, max_tokens, thinking=False, tools=None):
 # ----------------------------------------------------------------------------- basic endpoints
 
 def test_health_and_models(live, client):
-    assert get(live.port, "/health") == (200, {"status": "ok"})
+    assert get(live.port, "/health") == (200, {"status": "ok", "model": MODEL_ID})
     assert [m.id for m in client.models.list()] == [MODEL_ID]
 
 
@@ -120,7 +120,7 @@ BAD_BODIES = [
      "temperature", "valid number"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": 1}, 400, "stream",
      "valid boolean"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "'system'"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "'system'"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model",
      "does not exist"),
     ({"messages": [{"role": "user", "content": [
@@ -138,15 +138,15 @@ BAD_BODIES = [
      "temperature", "finite number"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": float("nan")}, 400, "top_p",
      "finite number"),
-    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed",
-     "greater than or equal to 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -2**63 - 1}, 400, "seed",
+     "greater than or equal to -9223372036854775808"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed",
      "less than or equal to 18446744073709551615"),
     # JSON's "\ud800" escape: a lone surrogate, which no UTF-8 text holds
-    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages.0.content",
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages[0].content",
      "lone surrogate U+D800 at character 3 is not valid text"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400,
-     "messages.0.content.0.text", "lone surrogate U+DFFF"),
+     "messages[0].content[0].text", "lone surrogate U+DFFF"),
 ]
 
 
@@ -210,7 +210,7 @@ def test_a_500_keeps_the_connection_open(live):
     assert failed.status == 500 and b"boom in a processor" in failed.read()
     conn.request("GET", "/health")
     again = conn.getresponse()
-    assert again.status == 200 and json.loads(again.read()) == {"status": "ok"}
+    assert again.status == 200 and json.loads(again.read())["status"] == "ok"
     conn.close()
 
 

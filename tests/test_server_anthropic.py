@@ -510,7 +510,7 @@ def test_errors_through_the_client_and_other_paths_keep_openai_shape(live, clien
     assert code == 404 and reply["error"]["type"] == "not_found_error"
     code, reply = post(live.port, "/v1/chat/completions", {"messages": "hi"})
     assert code == 400 and set(reply["error"]) == {"message", "type", "param", "code"}
-    assert get(live.port, "/health") == (200, {"status": "ok"})
+    assert get(live.port, "/health") == (200, {"status": "ok", "model": MODEL_ID})
 
 
 def test_a_failing_request_leaves_the_server_healthy(live, client):

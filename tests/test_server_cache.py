@@ -23,7 +23,7 @@ from mlx_v41.generation.api import prefill
 from mlx_v41.generation.prompt_reuse import PromptCache
 from mlx_v41.server.engine.prompt_store import PromptCacheStore
 from conftest import golden_checkpoint, with_context, writable_copy
-from server_harness import MODEL_ID, Forcing, LiveServer, forcing_server, post, tiny
+from server_harness import MODEL_ID, Forcing, LiveServer, forcing_server, get, post, tiny
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
@@ -116,7 +116,7 @@ def short(tmp_path_factory):
 # ----------------------------------------------------------------------------- persistence
 
 def start_cli(folder: Path) -> tuple:
-    """`python -m mlx_v41.server` on a free port; (process, port)."""
+    """`python -m mlx_v41.server` on a free port, its model loaded; (process, port, lines)."""
     command = [sys.executable, "-m", "mlx_v41.server", "--model", str(golden_checkpoint("tiny")),
                "--port", "0", "--prompt-cache-dir", str(folder), "--no-thinking", "-m", "2"]
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True,
@@ -126,7 +126,10 @@ def start_cli(folder: Path) -> tuple:
         line = process.stderr.readline()
         lines.append(line)
         match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-        if match:
+        if match:  # it listens at once, and loads the model after: /health says when
+            while get(int(match.group(1)), "/health")[0] != 200 and \
+                    time.monotonic() < deadline and process.poll() is None:
+                time.sleep(0.1)
             return process, int(match.group(1)), lines
         if not line and process.poll() is not None:
             break

@@ -21,6 +21,8 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 ANY_JSON_OBJECT = {"type": "object"}
 _STRING_KEYWORDS = {"type", "enum", "const", "maxLength", "minLength", "pattern", "description",
                     "title", "default", "examples", "format"}
+DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the targets of its `$ref`s
+_ANNOTATIONS = {"title", "description", "default", "examples"}
 
 
 class SchemaError(ValueError):
@@ -95,6 +97,8 @@ def _invoke(i: int, tool: dict, d: str) -> list:
         raise SchemaError(f"tool {name!r}: parameters must be a JSON schema of an object", name)
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
+    # each parameter compiles alone: it carries the tool schema's definitions for its `$ref`s
+    defs = {k: schema[k] for k in DEFINITIONS if isinstance(schema.get(k), dict)}
     # the name as the renderer writes it (raw, not JSON-escaped)
     opening = _literal(' invoke name="' + name + '">\n')
     head = f'invoke_{i}: "<" {d} {opening} '
@@ -102,7 +106,7 @@ def _invoke(i: int, tool: dict, d: str) -> list:
     lines, parts = [], []
     for k, (key, value_schema) in enumerate(properties.items()):
         rule = f"param_{i}_{k}"
-        lines += _parameter(rule, key, value_schema, d, name)
+        lines += _parameter(rule, key, value_schema, d, name, defs)
         parts.append(f'({rule} "\\n")' + ("" if key in required else "?"))
     if required:
         params = " ".join(parts)
@@ -114,22 +118,61 @@ def _invoke(i: int, tool: dict, d: str) -> list:
     return [head + params + " " + close] + lines
 
 
-def _parameter(rule: str, key: str, schema, d: str, tool: str) -> list:
+def _parameter(rule: str, key: str, schema, d: str, tool: str, defs: dict) -> list:
     opening = f'"<" {d} ' + _literal(f' parameter name="{key}" string=')
+    schema = _resolved(schema, defs)
     if _is_plain_string(schema):
         value = _raw_string(rule, schema, tool, key)
         return [f'{rule}: {opening} "\\"true\\">" {rule.upper()}_TEXT {d} " parameter>"',
                 value]
     if not isinstance(schema, dict):
         raise SchemaError(f"tool {tool!r}: parameter {key!r} has no JSON schema", tool)
-    split = _split_string(schema)
+    split = _split_string(schema) or _split_any_of(schema, defs)
     if split is not None:  # a string is written raw, anything else as JSON: one branch each
         text, other = split
         return [f"{rule}: {rule}_s | {rule}_j",
-                *_parameter(f"{rule}_s", key, text, d, tool),
-                *_parameter(f"{rule}_j", key, other, d, tool)]
+                *_parameter(f"{rule}_s", key, text, d, tool, defs),
+                *_parameter(f"{rule}_j", key, other, d, tool, defs)]
     return [f'{rule}: {opening} "\\"false\\">" {rule}_json "</" {d} " parameter>"',
-            f"{rule}_json: %json {_json(schema)}"]
+            f"{rule}_json: %json {_json(dict(defs, **schema))}"]
+
+
+def _resolved(schema, defs: dict, depth: int = 0):
+    """`schema` with a `$ref` of its own into `defs` (`#/$defs/Name`, as pydantic writes
+    every nested model and enum) replaced by its target, its other keywords kept beside, so
+    a string enum behind a `$ref` is still written raw as the renderer writes strings."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or depth > 8:  # a cycle of bare `$ref`s stays as it is
+        return schema
+    where, _, name = ref.removeprefix("#/").partition("/")
+    target = defs.get(where, {}).get(name) if where in DEFINITIONS else None
+    if not isinstance(target, dict):
+        return schema  # the grammar library resolves (or refuses) it
+    return _resolved({**target, **{k: v for k, v in schema.items() if k != "$ref"}}, defs,
+                     depth + 1)
+
+
+def _split_any_of(schema: dict, defs: dict):
+    """(the string branch, the rest) of an `anyOf` with one plain string branch and others
+    that never take a string (pydantic's `Optional[str]`), or None."""
+    branches = schema.get("anyOf")
+    if not (isinstance(branches, list) and set(schema) - {"anyOf"} <= _ANNOTATIONS):
+        return None
+    branches = [_resolved(b, defs) for b in branches]
+    texts = [b for b in branches if _is_plain_string(b)]
+    others = [b for b in branches if not _is_plain_string(b)]
+    if len(texts) != 1 or not others or not all(_never_string(b) for b in others):
+        return None
+    notes = {k: v for k, v in schema.items() if k != "anyOf"}
+    other = others[0] if len(others) == 1 else {"anyOf": others}
+    return dict(texts[0], **notes), dict(other, **notes)
+
+
+def _never_string(schema) -> bool:
+    """Whether a schema's `type` rules strings out (so its values are written as JSON)."""
+    types = schema.get("type") if isinstance(schema, dict) else None
+    types = [types] if isinstance(types, str) else types
+    return isinstance(types, list) and "string" not in types
 
 
 def _split_string(schema: dict):

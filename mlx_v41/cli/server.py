@@ -4,30 +4,42 @@
     mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --prompt-cache-dir ~/.cache/mlx_v41/prompts
     mlx_v41.server --model path/to/DeepSeek-V4.1-Flash --dspark --port 8081
     mlx.launch -n 2 --python $(which python) -- -m mlx_v41.server --model PATH --pipeline
+    MLX_V41_API_KEY=sk-team mlx_v41.server --model PATH --host 0.0.0.0
+
+It listens at once and loads the model after (`GET /health`: 503 {"status": "loading"},
+then 200); SIGTERM or Ctrl-C drains it (a second one ends the replies at once) and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import ipaddress
 import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
 from .args import ArgumentParser, _number, add_model_arguments, load_options, report_experts
 from ..distributed.cli import add_distributed_arguments, distributed_loader
+from ..server.auth import KEY_ENV, read_keys
 from ..server.images import DEFAULT_MAX_IMAGE_BYTES
+from ..server.lifecycle import DEFAULT_DRAIN_SECONDS
 from ..server.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from ..server.serving import DEFAULT_MAX_TOKENS
+from ..server.serving import DEFAULT_KEEPALIVE_SECONDS, DEFAULT_MAX_TOKENS
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # mlx-lm's: loopback unless asked
 DEFAULT_PROMPT_CACHE_BYTES = "4G"
 DEFAULT_MAX_CONCURRENT = 64
 DEFAULT_DECODE_CONCURRENCY, DEFAULT_PROMPT_CONCURRENCY = 32, 8  # mlx-lm's server defaults
-SHUTDOWN_GRACE_SECONDS = 4  # open replies get this long after Ctrl-C, then they are cancelled
+SHUTDOWN_GRACE_SECONDS = 4  # after a drain, connections get this long to close
+POLL_SECONDS = 0.2
 SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "KIB": 2**10, "MIB": 2**20,
               "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -66,6 +78,16 @@ def setup_arg_parser() -> ArgumentParser:
     add("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     add("--port", type=_number(int, 0, 65535, what="a port number"), default=DEFAULT_PORT,
         help=f"port (default {DEFAULT_PORT})")
+    add("--api-key", action="append", default=[], metavar="KEY",
+        help="a key every route but /health asks for (`Authorization: Bearer KEY` or "
+             f"`x-api-key: KEY`); repeat for several; also from {KEY_ENV} (comma-separated) "
+             "and --api-key-file (default: none, no check)")
+    add("--api-key-file", metavar="PATH",
+        help="a file of keys, one a line (blank lines and # comments skipped)")
+    add("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+        help="a browser origin allowed to call the server (CORS), e.g. "
+             "https://app.example.com; repeat for several; * allows any (default: none, "
+             "CORS off)")
     add("--prompt-cache-bytes", type=parse_size, default=parse_size(DEFAULT_PROMPT_CACHE_BYTES),
         help="bytes of cached prompt prefixes kept in memory, least recently used dropped "
              f"first (default {DEFAULT_PROMPT_CACHE_BYTES}; 0 turns reuse off; across "
@@ -100,10 +122,20 @@ def setup_arg_parser() -> ArgumentParser:
     add("--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
         help="decoded bytes of one image part at most; larger ones get HTTP 400 "
              f"(default {DEFAULT_MAX_IMAGE_BYTES // 10**6}MB)")
+    add("--keepalive-seconds", type=_number(float, 0, what="a non-negative number"),
+        default=DEFAULT_KEEPALIVE_SECONDS,
+        help="a stream sends a keepalive (an SSE comment; Anthropic's ping event) after this "
+             f"many seconds without an event, e.g. during a long prefill (default "
+             f"{DEFAULT_KEEPALIVE_SECONDS:g}; 0 turns them off)")
     add("--max-stored-responses", type=_number(int, 0, what="a non-negative integer"),
         default=DEFAULT_MAX_STORED_RESPONSES,
         help="Responses API responses kept for previous_response_id and GET, least recently "
              f"used dropped first (default {DEFAULT_MAX_STORED_RESPONSES}; 0 keeps none)")
+    add("--drain-seconds", type=_number(float, 0, what="a non-negative number"),
+        default=DEFAULT_DRAIN_SECONDS,
+        help="on SIGTERM or Ctrl-C, replies under way get this long to finish (new requests "
+             "get 503), then end with an error; a second signal ends them at once "
+             f"(default {DEFAULT_DRAIN_SECONDS:g})")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default INFO; across ranks, DEBUG has every rank log its "
              "requests)")
@@ -111,8 +143,9 @@ def setup_arg_parser() -> ArgumentParser:
     return parser
 
 
-def build_app(args):
-    """Load the model and make the app (the engine starts with the app)."""
+def build_app(args, keys=(), loader=None):
+    """Load the model (with `loader`, `distributed_loader`'s, across ranks) and make the app
+    (the engine starts with the app)."""
     import mlx.core as mx
 
     from ..checkpoint.source import load
@@ -122,7 +155,6 @@ def build_app(args):
     from ..server.app import create_app
     from ..server.serving import ServerConfig
 
-    loader = distributed_loader(args)
     model, tokenizer = (loader or load)(args.model, prefill_mode=args.prefill_mode,
                                         dspark=args.dspark, head_dtype=args.head_dtype,
                                         **load_options(args))
@@ -153,34 +185,150 @@ def build_app(args):
                           thinking=args.thinking, reasoning_effort=args.reasoning_effort,
                           system_prompt=args.system_prompt,
                           max_image_bytes=args.max_image_bytes,
-                          max_prompt_tokens=args.max_prompt_tokens)
-    app = create_app(engine, config)
+                          max_prompt_tokens=args.max_prompt_tokens,
+                          keepalive_seconds=args.keepalive_seconds)
+    app = create_app(engine, config, api_keys=keys, allowed_origins=args.allowed_origins)
     app.state.responses = ResponseStore(args.max_stored_responses)
     return app
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    import uvicorn
-
+    from ..checkpoint.source import resolve_model_path
     from ..distributed.link import DistributedError
     from ..server.engine.ranks import Follower
 
+    if not keys and not is_loopback(args.host):
+        print(f"mlx_v41.server: warning: --host {args.host} without an API key: anyone who "
+              f"reaches port {args.port} can use the model (set --api-key or {KEY_ENV})",
+              file=sys.stderr)
+    app = None
     try:
-        app = build_app(args)
+        loader = distributed_loader(args)
+        if loader:  # the ranks load together before rank 0 listens
+            app = build_app(args, keys, loader)
+        else:  # one line for a missing folder before anything listens
+            resolve_model_path(args.model)
     except (ValueError, OSError, DistributedError) as e:  # CheckpointError, ConfigError, ...
         print(f"mlx_v41.server: error: {e}", file=sys.stderr)
         return 1
-    engine = app.state.engine
-    if isinstance(engine, Follower):  # a rank other than 0 of a group: no HTTP
+    if app is not None and isinstance(app.state.engine, Follower):  # no HTTP on this rank
         if args.log_level != "DEBUG":  # rank 0 logs requests; DEBUG: every rank does
             logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)
-        return follow(engine)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
-    print("mlx_v41.server: shut down", file=sys.stderr)
-    return 0
+        return follow(app.state.engine)
+    return serve(args, keys, app)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+class _Stopped(BaseException):
+    """A stop signal came while the model was loading (a BaseException, as KeyboardInterrupt:
+    no `except Exception` of the load takes it)."""
+
+
+def serve(args, keys, app=None) -> int:
+    """Listen at once (`create_loading_app` answers), load the model on this thread unless
+    `app` is given (loaded across ranks), serve the app until a stop signal drains it."""
+    import uvicorn
+
+    from ..distributed.link import DistributedError
+    from ..server.app import create_loading_app
+    from ..server.lifecycle import Swap
+
+    swap = Swap(create_loading_app(keys, args.allowed_origins))
+    server = uvicorn.Server(uvicorn.Config(swap, host=args.host, port=args.port,
+                                           log_level=args.log_level.lower(),
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS))
+    stops = _Stops(server, args.drain_seconds)
+    thread = threading.Thread(target=_listen, args=(server,), name="mlx_v41-http", daemon=True)
+    status = 0
+    with stops.handling():
+        try:
+            thread.start()
+            while not server.started and thread.is_alive():
+                thread.join(POLL_SECONDS / 4)
+            if not server.started:  # uvicorn logged why (the address is in use, ...)
+                print(f"mlx_v41.server: error: cannot listen on {args.host}:{args.port}",
+                      file=sys.stderr)
+                return 1
+            app = app or build_app(args, keys)
+            asyncio.run_coroutine_threadsafe(swap.swap(app), swap.loop).result()
+            stops.serving(app)
+        except _Stopped:
+            logging.getLogger("mlx_v41.server").info("stopped while loading the model")
+        except (ValueError, OSError, DistributedError) as e:
+            print(f"mlx_v41.server: error: {e}", file=sys.stderr)
+            server.should_exit, status = True, 1
+        stops.is_loading = False
+        while thread.is_alive():
+            thread.join(POLL_SECONDS)
+    if status == 0:
+        print("mlx_v41.server: shut down", file=sys.stderr)
+    return status
+
+
+def _listen(server) -> None:
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit when it cannot listen (it logged why)
+        pass
+
+
+class _Stops:
+    """What SIGINT and SIGTERM do (handled on the main thread; uvicorn runs on another, so it
+    neither takes them nor raises them again at its end: the exit status is 0): while the
+    model loads, stop; then the first one drains the app (`--drain-seconds`), the second ends
+    its replies at once, a third stops uvicorn without waiting for connections."""
+
+    def __init__(self, server, seconds: float):
+        self.server, self.seconds = server, seconds
+        self.app, self.count, self.is_loading = None, 0, True
+
+    @contextlib.contextmanager
+    def handling(self):
+        signals = (signal.SIGINT, signal.SIGTERM)
+        before = {sig: signal.signal(sig, self.handle) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    def serving(self, app) -> None:
+        app.state.lifecycle.on_drained = self.exit
+        self.app, self.is_loading = app, False
+
+    def exit(self) -> None:
+        self.server.should_exit = True
+
+    def handle(self, sig, frame) -> None:
+        self.count += 1
+        if self.app is None:  # not serving yet: stop (a load stops here)
+            self.exit()
+            if self.is_loading:
+                raise _Stopped
+            return
+        lifecycle = self.app.state.lifecycle
+        if self.count == 1:
+            asyncio.run_coroutine_threadsafe(lifecycle.drain(self.seconds), lifecycle.loop)
+        elif self.count == 2:
+            lifecycle.hurry()
+        else:
+            self.server.force_exit = True
+            self.exit()
 
 
 def follow(engine) -> int:

@@ -2,7 +2,9 @@
 DSML tool-call block as OpenAI tool-call deltas (the name when an invoke opens, then the
 JSON arguments a parameter at a time). The grammar is `chat.format.parse_completion`'s; the
 whole text fed at once gives its fields. Text that could still become a marker is held back
-until it is decided. A malformed call block is passed on as content text, unparsed.
+until it is decided. A malformed call block is passed on as content text, unparsed; a reply
+cut off by its token limit inside a call block ends with no markup: the complete calls stand,
+a call that did not close is taken back (a "cut" delta).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ CONTENT_MARKERS = ("\n\n" + cf.CALLS_OPEN, cf.CALLS_OPEN)
 @dataclass
 class Delta:
     """One piece of a reply. kind: "reasoning" / "content" (text), "call" (a tool call opens:
-    index, name), "arguments" (index, a fragment of its JSON arguments)."""
+    index, name), "arguments" (index, a fragment of its JSON arguments), "cut" (the reply
+    ended inside call `index`, whose arguments never closed: it is not a call)."""
 
     kind: str
     text: str = ""
@@ -69,9 +72,18 @@ class ReplyParser:
         self._run(final=False)
         return self._take()
 
-    def finish(self) -> list:
+    def finish(self, cut: bool = False) -> list:
         """The end of the reply: held text is released (an unfinished reasoning stays
-        reasoning; an unfinished call block becomes content)."""
+        reasoning; an unfinished call block becomes content). With `cut` (the reply reached
+        its token limit) an unfinished call block is dropped instead, as is text held back
+        as a marker's start; an open call ends with a "cut" delta."""
+        if cut and self.phase in ("calls", "invoke"):
+            if self.phase == "invoke":
+                self._emit("cut", index=self.call.index)
+            self.buffer, self.block, self.phase = "", "", "done"
+        if cut and self.phase in ("reasoning", "content"):
+            markers = (cf.THINK_END,) if self.phase == "reasoning" else CONTENT_MARKERS
+            self.buffer = self.buffer[:len(self.buffer) - held_suffix(self.buffer, markers)]
         self._run(final=True)
         if self.phase in ("reasoning", "content"):
             self._emit(self.phase, self.buffer)
@@ -83,7 +95,7 @@ class ReplyParser:
         return out
 
     def _emit(self, kind: str, text: str = "", index: int = 0) -> None:
-        if text or kind in ("call", "arguments"):
+        if text or kind in ("call", "arguments", "cut"):
             if self.out and kind in ("reasoning", "content") and self.out[-1].kind == kind:
                 self.out[-1].text += text
             else:
@@ -210,12 +222,15 @@ class Reply:
                 self.content += d.text
             elif d.kind == "call":
                 self.calls.append({"name": d.text, "arguments": ""})
+            elif d.kind == "cut":
+                del self.calls[d.index]
             else:
                 self.calls[d.index]["arguments"] += d.text
 
 
-def parse_reply(text: str, thinking: bool) -> Reply:
+def parse_reply(text: str, thinking: bool, cut: bool = False) -> Reply:
+    """The fields of a whole reply; `cut`: it reached its token limit (`finish`)."""
     parser, reply = ReplyParser(thinking), Reply()
     reply.add(parser.feed(text))
-    reply.add(parser.finish())
+    reply.add(parser.finish(cut))
     return reply

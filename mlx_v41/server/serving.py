@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from ..generation.api import PromptTooLongError, check_context
 from ..model.vision.prompt import ImagePrompt, prepare_prompt
-from .engine import Settings, Token
+from .engine import EngineClosed, Settings, Token
 from .images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from .processors import processors_from
 from ..generation.sequence import MAX_SEED
@@ -26,6 +26,10 @@ from .errors import RequestError
 
 DEFAULT_MODEL_ALIAS = "default_model"  # mlx-lm's name for the model the server loaded
 DEFAULT_MAX_TOKENS = 512  # mlx-lm server's default
+# Streams send a keepalive after this long without an event: well under the read timeouts of
+# clients and proxies (often 30-60 s), so a long prefill does not look like a dead server.
+DEFAULT_KEEPALIVE_SECONDS = 10.0
+SSE_KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it
 
 
 @dataclass
@@ -33,7 +37,8 @@ class ServerConfig:
     """What the CLI decides for every request: the served name, the values of fields a
     request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings) and
     the limits on each image part (decoded bytes, width x height) and on a prompt's tokens
-    (None: the model's context)."""
+    (None: the model's context), and the seconds without an event after which a stream sends
+    a keepalive (0: never)."""
 
     model_id: str
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -47,6 +52,7 @@ class ServerConfig:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_prompt_tokens: Optional[int] = None
+    keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
 
     def settings(self, *, max_tokens: Optional[int] = None, temp: Optional[float] = None,
                  top_p: Optional[float] = None, min_p: Optional[float] = None,
@@ -113,7 +119,12 @@ def _processors(app: FastAPI, settings: Settings, body, prompt: list) -> list:
     return processors
 
 
-def sse_response(events, jobs: list) -> StreamingResponse:
+def sse_response(events, jobs: list, keepalive: str = SSE_KEEPALIVE,
+                 is_after_first: bool = False) -> StreamingResponse:
+    """An SSE stream of `events` (text) for `jobs`, which it cancels if the client leaves;
+    `keepalive` is sent whenever no event came for the app's `keepalive_seconds` (with
+    `is_after_first`, only once the first event went out: Anthropic's pings follow
+    message_start)."""
     async def guarded():
         try:
             async for text in events:
@@ -122,8 +133,53 @@ def sse_response(events, jobs: list) -> StreamingResponse:
             for job in jobs:
                 if job.finish is None:
                     job.cancel()
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return _EventStream(guarded(), keepalive, is_after_first)
+
+
+class _EventStream(StreamingResponse):
+    """A `StreamingResponse` of SSE events with keepalives; the interval is the serving app's
+    (`scope["app"]`), read when the response starts."""
+
+    def __init__(self, events, keepalive: str, is_after_first: bool):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.keepalive, self.is_after_first = keepalive, is_after_first
+
+    async def __call__(self, scope, receive, send):
+        seconds = scope["app"].state.config.keepalive_seconds
+        if seconds > 0:
+            self.body_iterator = with_keepalives(self.body_iterator, seconds, self.keepalive,
+                                                 self.is_after_first)
+        await super().__call__(scope, receive, send)
+
+
+async def with_keepalives(events, seconds: float, keepalive: str, is_after_first: bool = False):
+    """`events` with `keepalive` yielded whenever the next one takes longer than `seconds`.
+    The wait for an event is a task that a timeout leaves running (cancelling it would cancel
+    the generator's own await); it is cancelled only when this stream closes early."""
+    events = aiter(events)
+    pending = None
+    is_started = not is_after_first
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=seconds if is_started else None)
+            if not done:
+                yield keepalive
+                continue
+            task, pending = pending, None
+            try:
+                text = task.result()
+            except StopAsyncIteration:
+                return
+            is_started = True
+            yield text
+    finally:
+        if pending is not None:  # the client left while an event was awaited
+            pending.cancel()
+        else:
+            await events.aclose()
 
 
 async def until_done(request: Request, jobs: list, result):
@@ -153,3 +209,21 @@ async def collect(job) -> tuple:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Failure:
+    """How a request that failed after it was accepted is reported: an `EngineClosed` (the
+    server is draining or stopping) as a 503 `shutting_down` with its own message, anything else
+    as a 500 internal error naming the exception."""
+
+    status: int
+    message: str
+    code: Optional[str] = None
+    kind: str = "server_error"
+
+
+def failure(error: BaseException) -> Failure:
+    if isinstance(error, EngineClosed):
+        return Failure(503, str(error), "shutting_down")
+    return Failure(500, f"internal error: {type(error).__name__}: {error}")

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API in V4.1's terms: request bodies as strict pydantic models (errors
+"""Anthropic's Messages API in V4.1's terms: request and reply bodies as pydantic models (errors
 name the field as Anthropic does, `messages.3.content.0.tool_use_id`), content blocks as
 `chat.format` message dicts, tools as function specs, `thinking` / `output_config.effort` as
 the thinking mode and reasoning effort, `tool_choice` as the constraint's terms.
@@ -7,12 +7,11 @@ the thinking mode and reasoning effort, `tool_choice` as the constraint's terms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, model_validator
 
-from ...generation.sequence import MAX_SEED
-from ..bodies import ContentPart, StrictBody, check_text
+from ..bodies import ContentPart, Seed, StrictBody, check_tool_names, parse, whole_number
 from ..errors import RequestError
 from ..images import ImageReader
 
@@ -25,7 +24,9 @@ LARGEST_BUDGET_EFFORT = "max"
 ANTHROPIC_EFFORTS = {"low": "low", "medium": "high", "high": "high", "xhigh": "max",
                      "max": "max"}
 ERROR_PREFIX = "Error:"  # the first line of a tool_result with is_error
-_UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic's union loc names
+# the error code with which Anthropic refuses a `thread` it cannot hold; the SDK's tool
+# runner then sends the whole conversation on every turn
+THREAD_UNSUPPORTED = "thread_unsupported_request"
 
 
 class TextBlock(StrictBody):
@@ -59,7 +60,7 @@ class ToolResultBlock(StrictBody):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Union[str, list[ResultPart], None] = None
-    is_error: bool = False
+    is_error: Optional[bool] = False
 
 
 class ThinkingBlock(StrictBody):
@@ -85,7 +86,7 @@ class Message(StrictBody):
 
 
 class Tool(StrictBody):
-    name: str
+    name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: Optional[dict] = None
     type: Optional[str] = None  # "custom" or absent; Anthropic's server tools are refused
@@ -94,12 +95,12 @@ class Tool(StrictBody):
 class ToolChoice(StrictBody):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: Optional[bool] = False
 
 
 class Thinking(StrictBody):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = Field(None, ge=1)
+    budget_tokens: Optional[whole_number(ge=1)] = None
     display: Optional[str] = None
 
 
@@ -122,19 +123,28 @@ class CountTokensRequest(StrictBody):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
+    thread: Any = Field(None, description="a server-side thread: refused with error code "
+                        f"{THREAD_UNSUPPORTED}, so that a client sends the whole conversation")
 
 
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`. `seed` is this server's extension."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: whole_number(ge=1)
     stop_sequences: Optional[list[str]] = None
     temperature: Optional[float] = Field(None, ge=0, le=1)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
-    stream: bool = False
+    top_p: Optional[float] = Field(None, ge=0, le=1)  # 0: the most likely token only
+    top_k: Optional[whole_number(ge=0)] = None
+    stream: Optional[bool] = False
     metadata: Optional[Metadata] = None
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    seed: Optional[Seed] = None
+
+    @model_validator(mode="after")
+    def _smallest_nucleus(self):
+        """top_p 0 keeps the most likely token alone: greedy decoding."""
+        if self.top_p == 0:
+            self.temperature = 0.0
+        return self
 
     @property
     def user(self) -> Optional[str]:
@@ -144,45 +154,21 @@ class MessagesRequest(CountTokensRequest):
 
 def parse_request(model_class, body):
     """Validate a decoded JSON body; RequestError naming the deepest field at fault."""
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got "
-                           f"{type(body).__name__}")
-    try:
-        request = model_class.model_validate(body)
-    except ValidationError as e:
-        where, message = _first_error(e.errors())
-        raise RequestError(f"{where}: {message}", param=where) from None
-    check_text(request.model_dump(exclude_none=True), "")
+    request = parse(model_class, body, dotted=True)
+    if request.thread is not None:
+        raise RequestError("thread: this server keeps no threads; send the whole conversation "
+                           "without `thread`", param="thread",
+                           details={"error_code": THREAD_UNSUPPORTED})
+    for k, message in enumerate(request.messages):
+        if message.content == [] and not (message.role == "assistant"
+                                          and k == len(request.messages) - 1):
+            raise RequestError(f"messages.{k}.content: all messages must have non-empty "
+                               "content except for the optional final assistant message",
+                               param=f"messages.{k}.content")
+    check_tool_names([tool.name for tool in request.tools or ()], lambda k: f"tools.{k}.name")
     if isinstance(request, MessagesRequest):
         _check_budget(request)
     return request
-
-
-def _first_error(errors: list) -> tuple:
-    """(dotted location, message) of the deepest error; the failures of a union's members
-    at that location are joined ("a valid string or a valid list")."""
-    located = [(_clean(error["loc"]), error["msg"]) for error in errors]
-    depth = max(len(loc) for loc, _ in located)
-    deepest = [(loc, msg) for loc, msg in located if len(loc) == depth]
-    loc = deepest[0][0]
-    messages = [msg for other, msg in deepest if other == loc]
-    message = messages[0] + "".join(f" or {m.removeprefix('Input should be ')}"
-                                    for m in messages[1:])
-    return ".".join(str(part) for part in loc) or "body", message
-
-
-def _clean(loc: tuple) -> tuple:
-    """A pydantic location without union member names (`str`, `list[...]`) or the tag of a
-    content block (`content.0.text.text` -> `content.0.text`)."""
-    out = []
-    for i, part in enumerate(loc):
-        if isinstance(part, str) and (part in _UNION_MEMBERS or "[" in part):
-            continue
-        is_tag = isinstance(part, str) and i > 0 and isinstance(loc[i - 1], int) \
-            and len(out) >= 2 and out[-2] == "content"
-        if not is_tag:
-            out.append(part)
-    return tuple(out)
 
 
 def _check_budget(request: MessagesRequest) -> None:
@@ -195,6 +181,84 @@ def _check_budget(request: MessagesRequest) -> None:
     if thinking.budget_tokens >= request.max_tokens:
         raise RequestError(f"thinking.budget_tokens: must be less than max_tokens "
                            f"({request.max_tokens})", param="thinking.budget_tokens")
+
+
+# ----------------------------------------------------------------------------- replies
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+    details: Optional[dict] = None
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body (`routes.error_body`)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+ReplyBlock = Annotated[Union[TextBlock, ThinkingBlock, ToolUseBlock], Field(discriminator="type")]
+
+
+class AnthropicMessage(BaseModel):
+    """A whole reply; streamed, Anthropic's named events."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ReplyBlock]
+    stop_reason: Optional[Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]]
+    stop_sequence: Optional[str]
+    usage: AnthropicUsage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class MessageStart(BaseModel):
+    type: Literal["message_start"]
+    message: AnthropicMessage  # with no content and no stop_reason yet
+
+
+class BlockStart(BaseModel):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: ReplyBlock
+
+
+class BlockDelta(BaseModel):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: dict  # text_delta, thinking_delta, signature_delta or input_json_delta
+
+
+class BlockStop(BaseModel):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class MessageDelta(BaseModel):
+    type: Literal["message_delta"]
+    delta: dict  # stop_reason and stop_sequence
+    usage: AnthropicUsage
+
+
+class Marker(BaseModel):
+    type: Literal["message_stop", "ping"]
+
+
+StreamEvent = Annotated[Union[MessageStart, BlockStart, BlockDelta, BlockStop, MessageDelta,
+                              Marker, AnthropicError], Field(discriminator="type")]
 
 
 # ----------------------------------------------------------------------------- conversion

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from ...chat import format as cf
 from ...model.vision.prompt import ImagePrompt
 from . import protocol as ap
+from ..bodies import ERROR_STATUSES, documented, json_body
 from ..constraints import constraint_fields
 from ..conversation import with_response_format
 from ..engine import Finish, Token
@@ -24,8 +25,8 @@ from ..errors import RequestError
 from ..images import ImageReader
 from ..processors import base_fields
 from ..reply_parser import Delta, ReplyParser
-from ..serving import new_id
-from ..serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
+from ..serving import (collect, expanded_prompt, failure, new_id, read_json, sse_response, submit,
+                       until_done)
 
 log = logging.getLogger("mlx_v41.server")
 
@@ -37,9 +38,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                529: "overloaded_error"}
 
 
-def error_body(status: int, message: str) -> dict:
+# count_tokens queues nothing: it is never busy, and it answers while the server shuts down
+COUNT_STATUSES = {status: why for status, why in ERROR_STATUSES.items() if status not in (429, 503)}
+
+
+def error_body(status: int, message: str, details: Optional[dict] = None) -> dict:
+    """Anthropic's error body; `details` (its `error_code` and more) where the error has
+    them."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    error = {"type": kind, "message": message}
+    return {"type": "error", "error": error if details is None else dict(error, details=details)}
 
 
 def signature(thinking: str) -> str:
@@ -63,7 +71,9 @@ class Rendered:
 def add_routes(app: FastAPI) -> None:
     """Register this API's routes on the app."""
 
-    @app.post(PATH)
+    @app.post(PATH, openapi_extra=json_body(ap.MessagesRequest),
+              responses=documented(ap.AnthropicMessage, ap.AnthropicError,
+                                   events=ap.StreamEvent))
     async def messages(request: Request):
         body = ap.parse_request(ap.MessagesRequest, await read_json(request))
         app.state.config.check_model(body.model)
@@ -71,10 +81,11 @@ def add_routes(app: FastAPI) -> None:
         job = _submit(app, body, rendered)
         reply = _Reply(app, rendered, job)
         if body.stream:
-            return sse_response(reply.events(), [job])
+            return sse_response(reply.events(), [job], keepalive=PING, is_after_first=True)
         return await until_done(request, [job], reply.message())
 
-    @app.post(PATH + "/count_tokens")
+    @app.post(PATH + "/count_tokens", openapi_extra=json_body(ap.CountTokensRequest),
+              responses=documented(ap.TokenCount, ap.AnthropicError, statuses=COUNT_STATUSES))
     async def count_tokens(request: Request):
         body = ap.parse_request(ap.CountTokensRequest, await read_json(request))
         app.state.config.check_model(body.model)
@@ -147,7 +158,8 @@ class _Reply:
     async def message(self) -> dict:
         tokens, finish = await collect(self.job)
         parser, blocks = ReplyParser(self.rendered.thinking), BlockStream()
-        for d in parser.feed("".join(t.text for t in tokens) + finish.text) + parser.finish():
+        text = "".join(t.text for t in tokens) + finish.text
+        for d in parser.feed(text) + parser.finish(cut=finish.reason == "length"):
             blocks.feed(d)
         blocks.close()
         return self.shell(blocks.content, self.stop(finish, blocks.calls > 0),
@@ -175,13 +187,14 @@ class _Reply:
             async for event in self.job.events():
                 deltas = parser.feed(event.text)
                 if not isinstance(event, Token):
-                    deltas += parser.finish()
+                    deltas += parser.finish(cut=event.reason == "length")
                 for d in deltas:
                     for text in blocks.feed(d):
                         yield text
         except Exception as e:  # after the headers went out: the error is the last event
             log.warning("streamed request failed: %s", e)
-            yield sse("error", error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            f = failure(e)
+            yield sse("error", error_body(f.status, f.message))
             return
         for text in blocks.close():
             yield text
@@ -196,11 +209,15 @@ def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+PING = sse("ping", {"type": "ping"})  # Anthropic's keepalive event
+
+
 class BlockStream:
     """Reply deltas as content blocks, in their order: a block opens when the kind of delta
     changes (thinking, text, each tool_use) and closes before the next (a thinking block
     with its `signature_delta`). `feed` and `close` return the stream's events; `content`
-    is the whole message's blocks so far."""
+    is the whole message's blocks so far (a tool_use cut off by max_tokens is stopped and
+    dropped from it: its input never closed)."""
 
     KINDS = {"reasoning": "thinking", "content": "text"}
 
@@ -208,6 +225,12 @@ class BlockStream:
         self.content, self.kind, self.calls, self.arguments = [], None, 0, ""
 
     def feed(self, d: Delta) -> list:
+        if d.kind == "cut":
+            stop = sse("content_block_stop", {"type": "content_block_stop",
+                                              "index": len(self.content) - 1})
+            self.content.pop()
+            self.kind, self.arguments, self.calls = None, "", self.calls - 1
+            return [stop]
         if d.kind == "arguments":
             self.arguments += d.text
             return [self._delta({"type": "input_json_delta", "partial_json": d.text})]

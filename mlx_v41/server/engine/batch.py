@@ -69,6 +69,7 @@ class _Running:
     prefill_seconds: float = 0.0
     snapshot: object = None           # the prompt's cache, kept for reuse
     tokens: list = field(default_factory=list)
+    prefilled: Optional[int] = None   # prompt tokens read when it was cancelled mid-prompt
 
 
 class BatchEngine(Engine):
@@ -97,10 +98,16 @@ class BatchEngine(Engine):
             completion_batch_size=decode_concurrency, prefill_batch_size=prompt_concurrency,
             prefill_step_size=self.prefill_step_size or DEFAULT_PREFILL_STEP_SIZE,
             on_prefilled=self._prefilled, **self.draft)  # DSpark: every request drafts
+        self.counters = self.generator.counters  # the drafts, for the metrics
         self.waiting: deque = deque()  # submitted, not yet in the batch (by arrival)
         self.running: dict = {}  # uid -> _Running
         self.steps = 0  # batch steps run
         self.peak_batch = 0  # most requests in the batch at once
+
+    @property
+    def kv_reserved(self) -> int:
+        """Bytes the running sequences hold of the KV budget (read from any thread)."""
+        return sum(run.reserved for run in list(self.running.values()))
 
     def reserve(self, prompt_tokens: int, max_tokens: int) -> int:
         """Bytes a request's cache may reach: its prompt, every token it may generate and,
@@ -170,6 +177,10 @@ class BatchEngine(Engine):
             self._end(job, Finish("cancelled", len(job.prompt.ids), 0, 0))
         for uid, run in list(self.running.items()):
             if run.job.cancelled.is_set():
+                reading = [s for s in (*self.generator.waiting, *self.generator.prefilling)
+                           if s.uid == uid]
+                if reading:  # stopped mid-prompt: how far it got
+                    run.prefilled = reading[0].prefilled
                 self.generator.remove([uid])
                 self._done(uid, "cancelled", "")
 
@@ -198,6 +209,7 @@ class BatchEngine(Engine):
         settings, prompt = job.settings, job.prompt
         state = self.store.take(self._reuse(job))
         cached = len(state.tokens)
+        self._started([job, *siblings], cached)
         todo = prompt.ids[cached:]
         # The tower runs here, for the images whose spans reach past the reused prefix.
         images = prompt.inputs(self.model, cached)
@@ -279,10 +291,15 @@ class BatchEngine(Engine):
                 self._keep([run.snapshot, state if align_to_tokens(state) else None])
             except Exception:
                 log.exception("prompt cache not kept")
-        log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s), %d generated, %s "
-                 "(batch of %d)%s", len(prompt.ids), run.cached, len(run.todo),
-                 run.prefill_seconds, len(run.tokens), reason, len(self.running) + 1,
-                 self.expert_note())
+        if run.prefilled is not None:
+            log.info("%d prompt tokens (%d cached), cancelled after %d of %d prefilled in "
+                     "%.2f s (batch of %d)", len(prompt.ids), run.cached, run.prefilled,
+                     len(run.todo), time.perf_counter() - run.tic, len(self.running) + 1)
+        else:
+            log.info("%d prompt tokens (%d cached, %d prefilled in %.2f s), %d generated, %s "
+                     "(batch of %d)%s", len(prompt.ids), run.cached, len(run.todo),
+                     run.prefill_seconds, len(run.tokens), reason, len(self.running) + 1,
+                     self.expert_note())
         self._end(run.job, Finish(reason, len(prompt.ids), len(run.tokens), run.cached, tail,
                                   stop_sequence=run.stops.matched))
 

@@ -200,7 +200,14 @@ class PromptCacheStore:
         entry stays in memory only)."""
         if self.folder is None:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. replaced by a file: the entries stay in memory only
+            if self.link is None:  # (across ranks each rank's write fails below, together)
+                if not all(entry.is_written for entry in self.entries):
+                    log.warning("prompt caches not persisted: cannot make the folder %s (%s)",
+                                self.folder, e.strerror or e)
+                return
         for entry in self.entries:
             if entry.is_written:
                 continue

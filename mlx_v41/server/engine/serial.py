@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ...generation.api import prefill, stream_decode, wired_limit
 from ...generation.group import ONE_PROCESS, ProcessGroup
+from ...generation.sequence import BatchStats
 from ...generation.speculative import Sampling
 from ...model.vision.prompt import ImagePrompt, prepare_prompt
 from .prompt_store import PromptCacheStore, align_to_tokens
@@ -26,7 +27,8 @@ log = logging.getLogger("mlx_v41.server")
 
 
 class _Cancelled(Exception):
-    """A request's client left while its prompt was being read."""
+    """A request's client left (or the server stopped it) while its prompt was being read,
+    after `args[0]` of its tokens."""
 
 
 class EngineBusy(RuntimeError):
@@ -100,27 +102,42 @@ class StopStrings:
 
 class Job:
     """One request: its prompt (an `ImagePrompt`: ids with image spans) and settings, its event
-    queue (filled from the worker thread) and its cancel flag."""
+    queue (filled from the worker thread) and its cancel flag; the engine's observer, if any,
+    sees each event as it is put."""
 
     def __init__(self, prompt: ImagePrompt, settings: Settings,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, observer=None):
         self.prompt, self.settings, self.loop = prompt, settings, loop
+        self.observer, self.submitted = observer, time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.finish: Optional[Finish] = None
         self.reuse = None  # across ranks: rank 0's choice of a cached prefix, shared
         self.index = 0  # the choice it answers (OpenAI's `n`)
         self.siblings: list = []  # the other choices' jobs, which share this one's prefill
+        self.error: Optional[BaseException] = None  # why the server ended it (`abort`)
+        self.has_reply = False  # a token went out
 
     def put(self, item) -> None:
+        if isinstance(item, Finish) and item.reason == "cancelled" and self.error is not None:
+            item = self.error  # ended by the server, not by its client: the client hears why
+        self.has_reply = self.has_reply or isinstance(item, Token)
         if isinstance(item, (Token, Finish)):
             item.index = self.index
+        if self.observer is not None:
+            self.observer.event(self, item)
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone: nobody listens any more
             self.cancelled.set()
 
     def cancel(self) -> None:
+        self.cancelled.set()
+
+    def abort(self, error: BaseException) -> None:
+        """Cancel it for the server's sake: it ends (at its next chunk or token) with `error`
+        instead of a "cancelled" finish."""
+        self.error = error
         self.cancelled.set()
 
     async def events(self):
@@ -163,6 +180,9 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self.last_finish: Optional[Finish] = None
         self.label = ""  # opens the per-request log line ("rank R: " across ranks)
+        # told of each request's start and events (`server.metrics.ServerMetrics`), or None
+        self.observer = None
+        self.counters = BatchStats()  # the DSpark drafts proposed and accepted, so far
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,14 +193,31 @@ class Engine:
         self._ready.wait()
 
     def close(self) -> None:
-        """Cancel what is queued or running, write new prompt caches, stop the worker."""
-        with self._jobs_lock:
-            self._closing = True
-            for job in self._jobs:
-                job.cancel()
+        """End what is queued or running (EngineClosed), write new prompt caches, stop the
+        worker."""
+        self.end_all("the server shut down before the reply finished")
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join()
+
+    def drain(self) -> None:
+        """Stop admitting (`submit` raises EngineClosed) and end the requests whose reply has
+        not begun, queued or reading their prompt (at its next chunk), with EngineClosed;
+        the replies under way go on (`in_flight` counts what is left)."""
+        self._abort(lambda job: not job.has_reply,
+                    "the server is shutting down: the request was not started")
+
+    def end_all(self, message: str) -> None:
+        """Stop admitting and end every request (at its next chunk or token) with
+        EngineClosed(`message`)."""
+        self._abort(lambda job: True, message)
+
+    def _abort(self, is_chosen, message: str) -> None:
+        with self._jobs_lock:
+            self._closing = True
+            for job in self._jobs:
+                if is_chosen(job):
+                    job.abort(EngineClosed(message))
 
     @property
     def in_flight(self) -> int:
@@ -191,7 +228,7 @@ class Engine:
         their tower rows computed by the worker)."""
         if not isinstance(prompt, ImagePrompt):
             prompt = prepare_prompt(self.model, list(prompt))
-        job = Job(prompt, settings, asyncio.get_running_loop())
+        job = Job(prompt, settings, asyncio.get_running_loop(), self.observer)
         with self._jobs_lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
@@ -261,8 +298,13 @@ class Engine:
 
         def check(done: int, total: int) -> None:
             if job.cancelled.is_set():
-                raise _Cancelled
+                raise _Cancelled(done)
         return check
+
+    def _started(self, jobs: list, cached: int) -> None:
+        """`jobs` (the choices of one prompt) begin their prefill, `cached` tokens reused."""
+        if self.observer is not None:
+            self.observer.started(jobs, cached)
 
     def _reuse(self, job: Job):
         """The store's choice of a cached prefix for the job (`PromptCacheStore.choose`)."""
@@ -304,6 +346,7 @@ class Engine:
         prompt, records = job.prompt, job.prompt.records()
         state = self.store.take(self._reuse(job))
         cached = len(state.tokens)
+        self._started([job], cached)
         todo = prompt.ids[cached:]
         tic = time.perf_counter()
         # The tower runs here, for the images whose spans reach past the reused prefix.
@@ -311,7 +354,10 @@ class Engine:
             logits = prefill(self.model, todo, state.cache, self.prefill_step_size,
                              self._prefill_check(job),
                              images=prompt.inputs(self.model, cached), group=self.group)
-        except _Cancelled:  # the client left mid-prompt: the cache is as it was, nothing kept
+        except _Cancelled as stop:  # mid-prompt: the cache is as it was, nothing kept
+            log.info("%s%d prompt tokens (%d cached), cancelled after %d of %d prefilled in "
+                     "%.2f s", self.label, len(prompt.ids), cached, stop.args[0], len(todo),
+                     time.perf_counter() - tic)
             return Finish("cancelled", len(prompt.ids), 0, cached)
         seconds = time.perf_counter() - tic
         state.tokens.extend(todo)
@@ -335,7 +381,7 @@ class Engine:
         """Stream the reply's tokens to the job; (tokens, finish reason, held text, the stop
         string that ended it or None)."""
         settings, stops = job.settings, StopStrings(job.settings.stops)
-        tokens, reason = [], "length"
+        tokens, reason, drafts = [], "length", None
         responses = stream_decode(
             self.model, self.tokenizer, logits, state.cache, prompt_tokens=prefilled,
             prompt_seconds=seconds, max_tokens=settings.max_tokens, sampler=self._sampler(settings),
@@ -344,6 +390,7 @@ class Engine:
         try:
             for response in responses:
                 tokens.append(response.token)
+                drafts = response.draft_stats  # the stream's, so far
                 text, is_stopped = stops.feed(response.text)
                 job.put(Token(text, response.token, *self._logprobs(response, settings.logprobs)))
                 reason = response.finish_reason or reason
@@ -353,6 +400,9 @@ class Engine:
                     return tokens, "cancelled", "", None
         finally:
             responses.close()
+            if drafts is not None:
+                self.counters.drafts_proposed += drafts.proposed
+                self.counters.drafts_accepted += drafts.accepted
         return tokens, reason, stops.pending, None
 
     def _sampler(self, settings: Settings):

@@ -6,6 +6,7 @@ errors.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Optional
 
@@ -41,8 +42,22 @@ def finish_reason(finish: Finish, has_calls: bool = False) -> str:
     return finish.reason
 
 
+# OpenAI's stand-in for a log-probability of minus infinity, which JSON cannot carry
+LEAST_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LEAST_LOGPROB
+
+
+def _possible(top) -> list:
+    """The alternatives a mask left possible (a constraint or a ban gives the others -inf)."""
+    return [(token, logprob) for token, logprob in top if math.isfinite(logprob)]
+
+
 class TokenText:
-    """Token ids as the text and bytes OpenAI's logprobs report."""
+    """Token ids as the text and bytes OpenAI's logprobs report: the alternatives a mask
+    ruled out are left out, and a logprob JSON cannot carry is `LEAST_LOGPROB`."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -55,15 +70,15 @@ class TokenText:
 
     def entry(self, token: int, logprob: float) -> dict:
         raw = self.bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob),
                 "bytes": list(raw)}
 
     def chat_logprobs(self, tokens: list) -> Optional[dict]:
         """`choices[].logprobs` of a chat completion for these `Token`s (None without)."""
         content = [dict(self.entry(t.token, t.logprob),
-                        top_logprobs=[self.entry(i, lp) for i, lp in t.top])
+                        top_logprobs=[self.entry(i, lp) for i, lp in _possible(t.top)])
                    for t in tokens if t.logprob is not None]
-        return {"content": content} if content else None
+        return {"content": content, "refusal": None} if content else None
 
     def completion_logprobs(self, tokens: list, offset: int) -> Optional[dict]:
         """The legacy completions shape; `offset`: characters of text before these tokens."""
@@ -73,8 +88,9 @@ class TokenText:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in kept:
             out["tokens"].append(self.entry(t.token, t.logprob)["token"])
-            out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({self.entry(i, lp)["token"]: lp for i, lp in t.top})
+            out["token_logprobs"].append(_finite(t.logprob))
+            out["top_logprobs"].append({self.entry(i, lp)["token"]: lp
+                                        for i, lp in _possible(t.top)})
             out["text_offset"].append(offset)
             offset += len(t.text)
         return out
@@ -121,7 +137,8 @@ class ChatStream:
 def chat_completion(model_id: str, reply: Reply, finish: Finish, tokens: list,
                     token_text: TokenText) -> dict:
     """A whole (non-streamed) chat completion."""
-    message = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+    message = {"role": "assistant", "content": reply.content or (None if reply.calls else ""),
+               "refusal": None}
     if reply.reasoning:
         message["reasoning_content"] = message["reasoning"] = reply.reasoning
     if reply.calls:

@@ -4,8 +4,10 @@ its image blocks), the thinking mode and reasoning effort, and `tool_choice`.
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
+from ..bodies import check_text
 from ..constraints import answer_format, constraint_fields
 from ..errors import RequestError
 from ..images import IMAGE_PART_TYPES, ImageReader
@@ -15,7 +17,8 @@ NO_VISION = ImageReader(None)  # what a caller that names no reader gets: images
 
 
 def _content(message: ChatMessage, where: str, images: ImageReader):
-    """Message content for the chat format: a string, or its text and image blocks."""
+    """Message content for the chat format: a string, or its text and image blocks (an
+    assistant's refusal parts as text)."""
     if not isinstance(message.content, list):
         return message.content
     blocks = []
@@ -25,16 +28,37 @@ def _content(message: ChatMessage, where: str, images: ImageReader):
             blocks.append(images.block(part, message.role, at))
         elif part.type == "text" and part.text is not None:
             blocks.append({"type": "text", "text": part.text})
+        elif part.type == "refusal" and message.role == "assistant" and part.refusal is not None:
+            blocks.append({"type": "text", "text": part.refusal})
         else:
             raise RequestError(f"{at}: content part type {part.type!r} is not supported "
-                               "(text and image parts only)", param=at)
+                               "(text and image parts; refusal parts in assistant messages)",
+                               param=at)
     return blocks
 
 
-def _tool_calls(message: ChatMessage) -> list:
-    return [{"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}
-            for call in message.tool_calls or ()]
+def _tool_calls(message: ChatMessage, where: str) -> list:
+    calls = []
+    for k, call in enumerate(message.tool_calls or ()):
+        arguments = call.function.arguments
+        _check_arguments(arguments, f"{where}.tool_calls[{k}].function.arguments")
+        calls.append({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": arguments}})
+    return calls
+
+
+def _check_arguments(arguments, where: str) -> None:
+    """Arguments the chat format can render: a JSON object (or its text), whose strings hold
+    valid text (`check_text`)."""
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise RequestError(f"{where}: not valid JSON ({e})", param=where) from None
+        if not isinstance(arguments, dict):
+            raise RequestError(f"{where}: must be a JSON object, got "
+                               f"{type(arguments).__name__}", param=where)
+    check_text(arguments, where, chat=True)
 
 
 def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] = None,
@@ -42,7 +66,7 @@ def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] =
     """The request's messages as `chat.format` dicts (developer messages are system
     messages); `system_prompt` opens a conversation that has no system message; `images`
     decodes image parts (into blocks `chat.format.collect_images` finds)."""
-    out = []
+    out, calls = [], set()  # the call ids of the last assistant message
     for k, message in enumerate(request.messages):
         where = f"messages[{k}]"
         entry = {"role": "system" if message.role == "developer" else message.role,
@@ -52,13 +76,22 @@ def chat_messages(request: ChatCompletionRequest, system_prompt: Optional[str] =
             if reasoning:
                 entry["reasoning_content"] = reasoning
             if message.tool_calls:
-                entry["tool_calls"] = _tool_calls(message)
+                entry["tool_calls"] = _tool_calls(message, where)
+            calls = {call.id for call in message.tool_calls or () if call.id}
         if message.role == "tool":
+            _check_answers(message.tool_call_id, calls, where)
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     if system_prompt and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system_prompt})
     return out
+
+
+def _check_answers(call_id: Optional[str], calls: set, where: str) -> None:
+    """A tool message answers a call of the last assistant message (when it made calls)."""
+    if call_id and calls and call_id not in calls:
+        raise RequestError(f"{where}.tool_call_id: no tool call with id {call_id!r} in the last "
+                           "assistant message", param=f"{where}.tool_call_id")
 
 
 def allows_tool_calls(request: ChatCompletionRequest) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 
@@ -16,14 +16,17 @@ from ...chat import format as cf
 from ...model.vision.prompt import ImagePrompt
 from ..conversation import thinking_mode, with_response_format
 from ..engine import Token
-from ..errors import RequestError, error_body
+from ..bodies import documented, json_body
+from ..errors import ErrorBody, RequestError, error_body
 from ..images import ImageReader
 from ..processors import processor_fields
 from ..reply_parser import Reply, ReplyParser, parse_reply
-from ..serving import collect, expanded_prompt, read_json, sse_response, submit, until_done
+from ..serving import (collect, expanded_prompt, failure, read_json, sse_response, submit,
+                       until_done)
 from . import bodies as out
 from .messages import allows_tool_calls, chat_messages, request_constraint
-from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
+                       CompletionChunk, CompletionRequest, parse_body)
 
 log = logging.getLogger("mlx_v41.server")
 
@@ -31,7 +34,9 @@ log = logging.getLogger("mlx_v41.server")
 def add_routes(app: FastAPI) -> None:
     app.state.token_text = out.TokenText(app.state.engine.tokenizer)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+              responses=documented(ChatCompletion, ErrorBody, done=True,
+                                   events=Union[ChatCompletionChunk, ErrorBody]))
     async def chat_completions(request: Request):
         body = parse_body(ChatCompletionRequest, await read_json(request))
         app.state.config.check_model(body.model)
@@ -46,7 +51,9 @@ def add_routes(app: FastAPI) -> None:
         return await until_done(request, jobs, _gathered(
             [_chat_result(app, job, thinking) for job in jobs]))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
+              responses=documented(Completion, ErrorBody, done=True,
+                                   events=Union[CompletionChunk, ErrorBody]))
     async def completions(request: Request):
         body = parse_body(CompletionRequest, await read_json(request))
         app.state.config.check_model(body.model)
@@ -106,15 +113,16 @@ def _completion_prompt(app: FastAPI, body: CompletionRequest) -> ImagePrompt:
 def _submit(app: FastAPI, body, prompt: ImagePrompt, allow_calls: bool,
             constraint: Optional[dict] = None):
     """An OpenAI chat completion's or completion's jobs (one per choice)."""
-    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    chat = isinstance(body, ChatCompletionRequest)
     fields = processor_fields(body, app.state.engine.model.args.text_config.vocab_size,
-                              allow_calls)
+                              allow_calls, chat=chat)
     fields["constraint"] = constraint
     settings = app.state.config.settings(
         max_tokens=body.token_limit(), temp=body.temperature, top_p=body.top_p,
         min_p=body.min_p, top_k=body.top_k, seed=body.seed, stops=body.stops(),
         logprobs=body.logprob_count(), processor_fields=fields)
-    return submit(app, prompt, settings, n=body.n, param=param, body=body)
+    return submit(app, prompt, settings, n=body.n, param="messages" if chat else "prompt",
+                  body=body)
 
 
 async def _merged(streams: list, body, jobs: list, chat: Optional[out.ChatStream],
@@ -168,7 +176,8 @@ async def _gathered(results: list) -> dict:
 
 async def _chat_result(app: FastAPI, job, thinking: bool):
     tokens, finish = await collect(job)
-    reply = parse_reply("".join(t.text for t in tokens) + finish.text, thinking)
+    reply = parse_reply("".join(t.text for t in tokens) + finish.text, thinking,
+                        cut=finish.reason == "length")
     return out.chat_completion(app.state.config.model_id, reply, finish, tokens,
                                app.state.token_text)
 
@@ -189,15 +198,16 @@ async def _chat_stream(app: FastAPI, body: ChatCompletionRequest, job, thinking:
             if isinstance(event, Token):
                 pending.append(event)
             else:
-                deltas += parser.finish()
+                deltas += parser.finish(cut=event.reason == "length")
             for d in deltas:
                 reply.add([d])
+                if d.kind == "cut":  # its deltas went out: the finish, "length", tells
+                    continue
                 yield out.sse(stream.chunk(stream.delta(d), tokens=pending))
                 pending = []
     except Exception as e:  # after the headers went out: the error is the stream's last event
         log.warning("streamed request failed: %s", e)
-        yield out.sse(error_body(f"internal error: {type(e).__name__}: {e}",
-                                     kind="server_error"))
+        yield _failed(e, last)
         return
     finish = job.finish
     yield out.sse(stream.chunk({}, out.finish_reason(finish, bool(reply.calls)), pending))
@@ -221,11 +231,18 @@ async def _completion_stream(app: FastAPI, body: CompletionRequest, job, cid: st
             offset += len(event.text)
     except Exception as e:
         log.warning("streamed request failed: %s", e)
-        yield out.sse(error_body(f"internal error: {type(e).__name__}: {e}",
-                                     kind="server_error"))
+        yield _failed(e, last)
         return
     if last:
         if body.stream_options and body.stream_options.include_usage:
             yield out.sse(out.completion_usage_chunk(cid, created, model_id,
                                                      out.usage(job.finish)))
         yield out.SSE_DONE
+
+
+def _failed(error: Exception, last: bool) -> str:
+    """A stream's last events after a failure: the error in OpenAI's shape, then [DONE] (when
+    this is the last choice's stream), so a client's SSE reader ends cleanly."""
+    f = failure(error)
+    return out.sse(error_body(f.message, kind=f.kind, code=f.code)) + \
+        (out.SSE_DONE if last else "")

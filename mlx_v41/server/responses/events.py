@@ -24,7 +24,8 @@ def sse(event: dict) -> str:
 
 def usage(finish: Finish, reasoning_tokens: int) -> dict:
     return {"input_tokens": finish.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": finish.cached_tokens},
+            "input_tokens_details": {"cached_tokens": finish.cached_tokens,
+                                     "cache_write_tokens": 0},  # the server caches by itself
             "output_tokens": finish.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": finish.prompt_tokens + finish.completion_tokens}
@@ -54,6 +55,8 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=self._snapshot())]
 
     def add(self, delta: Delta) -> list:
+        if delta.kind == "cut":  # a call cut off by max_output_tokens: not an output item
+            return self._close("incomplete", keep=False)
         kind, events = ITEM_OF_DELTA[delta.kind], []
         if delta.kind == "call" or self.item is None or self.item["type"] != kind:
             events += self._close("completed")
@@ -117,8 +120,9 @@ class ResponseBuilder:
         return self._event("response.output_text.delta", content_index=0, delta=text,
                            logprobs=[], **self._where())
 
-    def _close(self, status: str) -> list:
-        """End the open item (if any): its done events, then it joins `output`."""
+    def _close(self, status: str, keep: bool = True) -> list:
+        """End the open item (if any): its done events, then it joins `output` (with
+        `keep`)."""
         if self.item is None:
             return []
         item, where, events = self.item, self._where(), []
@@ -140,6 +144,7 @@ class ResponseBuilder:
         item["status"] = "completed" if status == "completed" else "incomplete"
         events.append(self._event("response.output_item.done",
                                   output_index=where["output_index"], item=item))
-        self.body["output"].append(item)
+        if keep:
+            self.body["output"].append(item)
         self.item = None
         return events

@@ -1,18 +1,19 @@
 """The OpenAI Responses API's request in V4.1's terms: the body as a typed model, its input
 items (messages, function calls and their outputs, reasoning) as the chat format's message
-dicts, its flat function tools, `tool_choice`, `text.format` and `reasoning.effort`.
+dicts, its flat function tools, `tool_choice`, `text.format` and `reasoning.effort`; and the
+response object's model.
 """
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, WithJsonSchema, model_validator
 
-from ...generation.sequence import MAX_SEED
-from ..bodies import ContentPart, StrictBody
+from ..bodies import (ContentPart, Int, ObjectSchema, Seed, StrictBody, check_text,
+                      check_tool_names, parse, schema_of, whole_number)
 from ..constraints import answer_format as format_of
 from ..conversation import thinking_mode
 from ..errors import RequestError
@@ -20,56 +21,6 @@ from ..images import IMAGE_PART_TYPES, ImageReader
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 NOT_SUPPORTED = ("background", "conversation", "prompt")  # fields refused when set
-
-
-class FunctionTool(StrictBody):
-    type: Literal["function"]
-    name: str
-    description: Optional[str] = None
-    parameters: Optional[dict] = None
-    strict: Optional[bool] = None
-
-
-class TextFormat(StrictBody):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: Optional[str] = None
-    schema_: Optional[dict] = Field(None, alias="schema")
-    description: Optional[str] = None
-    strict: Optional[bool] = None
-
-
-class TextConfig(StrictBody):
-    format: TextFormat = TextFormat()
-    verbosity: Optional[str] = None
-
-
-class ReasoningConfig(StrictBody):
-    effort: Union[str, int, None] = None
-    summary: Optional[str] = None
-
-
-class ResponsesRequest(StrictBody):
-    model: Optional[str] = None
-    input: Union[str, list[dict]]
-    instructions: Optional[str] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Union[str, dict, None] = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)  # an extension, as in chat requests
-    text: Optional[TextConfig] = None
-    reasoning: Optional[ReasoningConfig] = None
-    store: bool = True
-    previous_response_id: Optional[str] = None
-    stream: bool = False
-    user: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
-    chat_template_kwargs: Optional[dict] = None  # an extension: `thinking` true/false
-    background: Optional[bool] = None
-    conversation: Any = None
-    prompt: Any = None
 
 
 # ----------------------------------------------------------------------------- input items
@@ -81,7 +32,7 @@ class InputPart(StrictBody):
 
 
 class MessageItem(StrictBody):
-    type: Literal["message"] = "message"
+    type: Optional[Literal["message"]] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[str, list[InputPart]]
 
@@ -106,7 +57,7 @@ class ReasoningPart(StrictBody):
 
 class ReasoningItem(StrictBody):
     type: Literal["reasoning"]
-    summary: list[ReasoningPart] = []
+    summary: Optional[list[ReasoningPart]] = []
     content: Optional[list[ReasoningPart]] = None
 
 
@@ -114,15 +65,73 @@ ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
-def validated(model_class, value, where: str):
-    """`value` as `model_class`; a RequestError naming the field (`input[3].call_id`)."""
-    try:
-        return model_class.model_validate(value)
-    except ValidationError as e:
-        error = e.errors()[0]
-        at = (where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
-                              for p in error["loc"])).lstrip(".") or "body"
-        raise RequestError(f"{at}: {error['msg']}", param=at) from None
+class FunctionTool(StrictBody):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[ObjectSchema] = None
+    strict: Optional[bool] = None
+
+
+class TextFormat(StrictBody):
+    type: Optional[Literal["text", "json_object", "json_schema"]] = "text"
+    name: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class TextConfig(StrictBody):
+    format: Optional[TextFormat] = TextFormat()
+    verbosity: Optional[str] = None
+
+
+class ReasoningConfig(StrictBody):
+    effort: Union[str, Int, None] = None
+    summary: Optional[str] = None
+
+
+# Items and tools are read one by one (`parse_item`, `function_tools`), so that an unknown
+# item or tool type is refused by name; the schema declares what those accept.
+Items = Annotated[list[dict], WithJsonSchema(
+    {"type": "array", "items": schema_of(Union[tuple(ITEM_TYPES.values())])})]
+Tools = Annotated[list[dict], WithJsonSchema({"type": "array", "items": schema_of(FunctionTool)})]
+
+
+class ResponsesRequest(StrictBody):
+    model: Optional[str] = None
+    input: Union[str, Items]
+    instructions: Optional[str] = None
+    tools: Optional[Tools] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = True
+    max_output_tokens: Optional[whole_number(ge=1)] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)  # 0: the most likely token only
+    seed: Optional[Seed] = None  # an extension, as in chat requests
+    text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
+    store: Optional[bool] = True
+    previous_response_id: Optional[str] = None
+    stream: Optional[bool] = False
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    chat_template_kwargs: Optional[dict] = None  # an extension: `thinking` true/false
+    background: Optional[bool] = None
+    conversation: Any = None
+    prompt: Any = None
+
+    @model_validator(mode="after")
+    def _smallest_nucleus(self):
+        """top_p 0 keeps the most likely token alone: greedy decoding."""
+        if self.top_p == 0:
+            self.temperature = 0.0
+        return self
+
+
+def parse_request(body) -> ResponsesRequest:
+    """The validated request body; RequestError naming the field at fault."""
+    return parse(ResponsesRequest, body)
 
 
 def input_items(body: ResponsesRequest) -> list:
@@ -133,12 +142,12 @@ def input_items(body: ResponsesRequest) -> list:
 
 
 def parse_item(item: dict, where: str):
-    kind = item.get("type", "message")
-    if kind not in ITEM_TYPES:
+    kind = item.get("type") or "message"
+    if not isinstance(kind, str) or kind not in ITEM_TYPES:
         raise RequestError(f"{where}.type: input item type {kind!r} is not supported (message, "
                            f"function_call, function_call_output, reasoning)",
                            param=f"{where}.type")
-    return validated(ITEM_TYPES[kind], item, where)
+    return parse(ITEM_TYPES[kind], item, where=where)
 
 
 class Conversation:
@@ -171,10 +180,11 @@ class Conversation:
     def _call(self, item: FunctionCallItem, where: str) -> None:
         try:
             arguments = json.loads(item.arguments or "{}")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             arguments = None
         if not isinstance(arguments, dict):
             raise RequestError(f"{where}.arguments: not a JSON object", param=f"{where}.arguments")
+        check_text(arguments, f"{where}.arguments", chat=True)
         turn = self.open or self._assistant()
         turn.setdefault("tool_calls", []).append(
             {"id": item.call_id, "type": "function",
@@ -226,7 +236,8 @@ def function_tools(body: ResponsesRequest) -> list:
         if kind != "function":
             raise RequestError(f"tools[{k}].type: {kind!r} tools are not supported by this "
                                "server (function tools only)", param=f"tools[{k}].type")
-        tools.append(validated(FunctionTool, tool, f"tools[{k}]"))
+        tools.append(parse(FunctionTool, tool, where=f"tools[{k}]"))
+    check_tool_names([tool.name for tool in tools], lambda k: f"tools[{k}].name")
     return tools
 
 
@@ -273,3 +284,117 @@ def check_supported(body: ResponsesRequest) -> None:
     for name in NOT_SUPPORTED:
         if getattr(body, name):
             raise RequestError(f"{name} is not supported by this server", param=name)
+
+
+# ----------------------------------------------------------------------------- the response
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list
+    logprobs: list
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: ItemStatus
+    content: list[OutputText]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    id: str
+    type: Literal["reasoning"]
+    summary: list
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = Annotated[Union[OutputMessage, OutputReasoning, OutputFunctionCall],
+                       Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class Response(BaseModel):
+    """A response object: returned whole, stored, or built by the stream's events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
+    background: bool
+    error: Optional[dict]
+    incomplete_details: Optional[dict]
+    instructions: Optional[str]
+    max_output_tokens: Optional[int]
+    metadata: dict[str, str]
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: Optional[str]
+    reasoning: dict
+    store: bool
+    temperature: float
+    text: dict
+    tool_choice: Union[str, dict]
+    tools: list[dict]
+    top_p: float
+    truncation: str
+    usage: Optional[ResponseUsage]
+    user: Optional[str]
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class ResponseEvent(BaseModel):
+    """A streamed response's event: its type and number, and what it carries."""
+
+    type: str
+    sequence_number: int
+    response: Optional[Response] = None
+    output_index: Optional[int] = None
+    item_id: Optional[str] = None
+    item: Optional[OutputItem] = None
+    content_index: Optional[int] = None
+    part: Optional[Union[OutputText, ReasoningText]] = None
+    delta: Optional[str] = None
+    text: Optional[str] = None
+    arguments: Optional[str] = None

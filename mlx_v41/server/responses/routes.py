@@ -13,24 +13,29 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...chat import format as cf
-from ..bodies import check_text
+from ..bodies import ERROR_STATUSES, documented, json_body
 from ..constraints import constraint_fields
 from ..conversation import with_response_format
 from ..engine import Settings, Token
-from ..errors import RequestError, error_body
+from ..errors import ErrorBody, RequestError, error_body
 from ..images import ImageReader
 from ..processors import base_fields
 from ..reply_parser import ReplyParser
-from ..serving import new_id
 from .events import ResponseBuilder, sse
-from .protocol import (Conversation, ResponsesRequest, answer_format,
-                                 check_supported, function_tools, input_items,
-                                 reasoning_mode, tool_choice, tool_spec, validated)
+from .protocol import (Conversation, DeletedResponse, Response, ResponseEvent, ResponsesRequest,
+                       answer_format, check_supported, function_tools, input_items,
+                       parse_request, reasoning_mode, tool_choice, tool_spec)
 from .store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse
-from ..serving import expanded_prompt, read_json, sse_response, submit, until_done
+from ..serving import (expanded_prompt, failure, new_id, read_json, sse_response, submit,
+                       until_done)
 
 log = logging.getLogger("mlx_v41.server")
 PARAMS = {"tools": "tools", "tool_choice": "tool_choice", "format": "text.format.schema"}
+RESPONSE_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True,
+                               "schema": {"type": "string"}}]}
+# the stored responses' routes queue nothing: they are never busy
+STORE_STATUSES = {status: why for status, why in ERROR_STATUSES.items()
+                  if status in (401, 404, 500)}
 
 
 def add_routes(app: FastAPI) -> None:
@@ -38,9 +43,10 @@ def add_routes(app: FastAPI) -> None:
     replaces `app.state.responses` with one of `--max-stored-responses`)."""
     app.state.responses = ResponseStore(DEFAULT_MAX_STORED_RESPONSES)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest),
+              responses=documented(Response, ErrorBody, events=ResponseEvent))
     async def create(request: Request):
-        body = _parse(await read_json(request))
+        body = parse_request(await read_json(request))
         app.state.config.check_model(body.model)
         check_supported(body)
         turn = _Turn(app, body)
@@ -51,30 +57,29 @@ def add_routes(app: FastAPI) -> None:
         try:
             return await until_done(request, jobs, _collected(run, turn.builder))
         except Exception as e:  # answered here: uvicorn closes the connection of an app error
-            log.exception("request failed")
-            return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}",
-                                           kind="server_error"), status_code=500)
+            f = failure(e)
+            if f.status == 500:
+                log.exception("request failed")
+            return JSONResponse(error_body(f.message, kind=f.kind, code=f.code),
+                                status_code=f.status)
 
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str):
+    # the id is read from the path, not a typed parameter, so the schema declares no 422
+    @app.get("/v1/responses/{response_id}", openapi_extra=RESPONSE_ID,
+             responses=documented(Response, ErrorBody, statuses=STORE_STATUSES))
+    async def retrieve(request: Request):
+        response_id = request.path_params["response_id"]
         stored = app.state.responses.get(response_id)
         if stored is None:
             raise _not_found(response_id)
         return stored.body
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str):
+    @app.delete("/v1/responses/{response_id}", openapi_extra=RESPONSE_ID,
+                responses=documented(DeletedResponse, ErrorBody, statuses=STORE_STATUSES))
+    async def delete(request: Request):
+        response_id = request.path_params["response_id"]
         if not app.state.responses.delete(response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
-
-
-def _parse(raw) -> ResponsesRequest:
-    if not isinstance(raw, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(raw).__name__}")
-    body = validated(ResponsesRequest, raw, "")
-    check_text(body.model_dump(exclude_none=True, by_alias=True), "")
-    return body
 
 
 def _not_found(response_id: str) -> RequestError:
@@ -182,7 +187,7 @@ async def _run(app: FastAPI, turn: _Turn, job):
             builder.reasoning_tokens += parser.phase == "reasoning"
             deltas = parser.feed(event.text)
         else:
-            deltas = parser.feed(event.text) + parser.finish()
+            deltas = parser.feed(event.text) + parser.finish(cut=event.reason == "length")
         for delta in deltas:
             for out in builder.add(delta):
                 yield out
@@ -205,5 +210,5 @@ async def _streamed(run, builder: ResponseBuilder):
             yield sse(event)
     except Exception as e:  # after the headers went out: the error ends the stream
         log.warning("streamed request failed: %s", e)
-        for event in builder.fail(f"internal error: {type(e).__name__}: {e}"):
+        for event in builder.fail(failure(e).message):
             yield sse(event)

@@ -15,10 +15,12 @@ spent (it stops by itself):
 * an image part (the tiny vision tower);
 * bad bodies (not JSON, wrong types, an unknown model): each must be a 4xx.
 
-Reported: requests by kind, server errors (5xx: must be 0), greedy mismatches (must be 0),
-forced replies that did not end (must be 0), and resident memory: after warm-up (the first
---warmup fraction of the run), at the end, and the slope over the rest in MB per minute
-(flat: growth under --flat-mb over the measured part).
+The server runs in chat mode (`--no-thinking`) with a 64 MB prompt-cache store. Reported:
+requests by kind, server errors (5xx: must be 0), greedy mismatches (must be 0), forced replies
+that did not end (must be 0), and memory after warm-up (the first --warmup fraction of the run)
+and at the end with the slope in MB per minute: resident memory, MLX's live arrays, its buffer
+cache (freed buffers it keeps for reuse) and the prompt-cache store (which fills up to its
+bound). Flat: MLX's live arrays beyond the store grow less than --flat-mb after warm-up.
 
     nice python benchmarks/bench_soak.py [--minutes 10 --clients 8 --max-requests 5000]
 """
@@ -36,6 +38,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +49,7 @@ import anthropic  # noqa: E402
 import httpx2 as httpx  # noqa: E402  (the HTTP client the openai and anthropic SDKs use)
 
 import mlx_v41  # noqa: E402
+from mlx_v41.server.processors import base_fields, processors_from  # noqa: E402
 from server_harness import MODEL_ID, LiveServer  # noqa: E402
 from vision_fixtures import SMALL_MIN_PIXELS, twin_images, vision_checkpoint  # noqa: E402
 
@@ -74,10 +78,12 @@ def rss_bytes() -> int:
 
 
 def batch_one(model, tokenizer, text: str, max_tokens: int) -> str:
+    """The batch-1 greedy reply with a chat reply's processors (special tokens masked)."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         enable_thinking=False)
-    return "".join(r.text for r in mlx_v41.stream_generate(model, tokenizer, ids,
-                                                           max_tokens=max_tokens))
+    processors = processors_from(base_fields(True), tokenizer)
+    return "".join(r.text for r in mlx_v41.stream_generate(
+        model, tokenizer, ids, max_tokens=max_tokens, logits_processors=processors))
 
 
 class Soak:
@@ -95,14 +101,15 @@ class Soak:
             if len(self.notes) < 20:
                 self.notes.append(f"{kind}: {what}")
 
-    def run_one(self, kind: str, k: int, http: httpx.Client) -> None:
+    def run_one(self, kind: str, k: int, http: httpx.Client, clients: tuple) -> None:
+        openai_client, anthropic_client = clients
         base, text = f"http://127.0.0.1:{self.server.port}", self.texts[k]
         sdk = {"model": MODEL_ID, "messages": [{"role": "user", "content": text}],
                "max_tokens": self.max_tokens, "extra_body": CHAT_OFF}
         chat = {"model": MODEL_ID, "messages": sdk["messages"], "max_tokens": self.max_tokens,
                 **CHAT_OFF}
         if kind in ("greedy", "greedy_stream"):
-            client = self.server.client()
+            client = openai_client
             if kind == "greedy":
                 reply = client.chat.completions.create(**sdk)
                 got = reply.choices[0].message.content
@@ -118,7 +125,7 @@ class Soak:
                 self.check_status(kind, response.status_code)
                 next(response.iter_lines())  # the first event, then hang up
         elif kind == "forced":
-            reply = self.server.client().chat.completions.create(
+            reply = openai_client.chat.completions.create(
                 **dict(sdk, max_tokens=200), tools=[TOOL], tool_choice="required",
                 parallel_tool_calls=False)
             choice = reply.choices[0]
@@ -126,15 +133,14 @@ class Soak:
                 self.fail("unended", f"forced call: finish {choice.finish_reason}, "
                                      f"{reply.usage.completion_tokens} tokens")
         elif kind == "schema":
-            reply = self.server.client().chat.completions.create(
+            reply = openai_client.chat.completions.create(
                 **dict(sdk, max_tokens=200), response_format=SCHEMA)
             try:
                 json.loads(reply.choices[0].message.content)
             except (TypeError, ValueError):
                 self.fail("unended", f"schema answer {reply.choices[0].message.content!r}")
         elif kind == "anthropic":
-            client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
-            message = client.messages.create(
+            message = anthropic_client.messages.create(
                 model=MODEL_ID, max_tokens=200, messages=[{"role": "user", "content": text}],
                 tools=[{"name": "pick", "input_schema": TOOL["function"]["parameters"]}],
                 tool_choice={"type": "any", "disable_parallel_tool_use": True})
@@ -163,6 +169,11 @@ class Soak:
 
     def client_loop(self, seed: int, deadline: float, budget: list) -> None:
         rng = random.Random(seed)
+        # one of each client per thread, reused (as an agent does; clients made per request
+        # would count their own connection pools in this process's memory)
+        clients = (self.server.client(),
+                   anthropic.Anthropic(base_url=f"http://127.0.0.1:{self.server.port}",
+                                       api_key="unused", max_retries=0))
         with httpx.Client(timeout=120) as http:
             while time.monotonic() < deadline:
                 with self.lock:
@@ -171,7 +182,7 @@ class Soak:
                     budget[0] -= 1
                 kind, k = rng.choice(KINDS), rng.randrange(len(self.texts))
                 try:
-                    self.run_one(kind, k, http)
+                    self.run_one(kind, k, http, clients)
                 except Exception as e:  # noqa: BLE001 - a client-side failure is a finding
                     status = getattr(getattr(e, "response", None), "status_code", None) or \
                         getattr(e, "status_code", None)
@@ -185,7 +196,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-requests", type=int, default=5000)
     parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--warmup", type=float, default=0.2,
+    parser.add_argument("--warmup", type=float, default=0.3,
                         help="fraction of the run before memory is measured")
     parser.add_argument("--flat-mb", type=float, default=64.0)
     args = parser.parse_args()
@@ -196,13 +207,19 @@ def main() -> None:
         texts = [words(k, 3 + 11 * (k % 9)) for k in range(12)]
         want = [batch_one(model, tokenizer, t, args.max_tokens) for t in texts]
         image = base64.b64encode(twin_images(Path(tmp))[0].read_bytes()).decode()
-        server = LiveServer(model, tokenizer, max_concurrent=64, cache_bytes=64 << 20)
+        # chat mode by default (`--no-thinking`): free reasoning on a random model need not end
+        server = LiveServer(model, tokenizer, max_concurrent=64, cache_bytes=64 << 20,
+                            thinking=False)
         soak = Soak(server, texts, want, f"data:image/png;base64,{image}", args.max_tokens)
         samples, stop = [], threading.Event()
 
+        def measure():
+            return (time.monotonic(), rss_bytes(), mx.get_active_memory(),
+                    mx.get_cache_memory(), server.store.nbytes)
+
         def sample():
             while not stop.wait(1.0):
-                samples.append((time.monotonic(), rss_bytes()))
+                samples.append(measure())
 
         sampler = threading.Thread(target=sample, daemon=True)
         start = time.monotonic()
@@ -217,22 +234,34 @@ def main() -> None:
         server.wait_idle(30)
         stop.set()
         sampler.join()
-        samples.append((time.monotonic(), rss_bytes()))
+        samples.append(measure())
         server.close()
 
     elapsed = samples[-1][0] - start
-    measured = [(t, b) for t, b in samples if t - start >= args.warmup * elapsed]
-    t, b = np.array([m[0] for m in measured]), np.array([m[1] for m in measured], float)
-    slope = np.polyfit(t - t[0], b, 1)[0] * 60 / 2**20 if len(t) > 2 else float("nan")
-    growth = (b[-1] - b[0]) / 2**20
+    measured = np.array([m for m in samples if m[0] - start >= args.warmup * elapsed], float)
+    t = measured[:, 0] - measured[0, 0]
+    mb = measured[:, 1:] / 2**20  # rss, MLX active, MLX cache, prompt-cache store
+
+    def trend(column) -> tuple:
+        values = mb[:, column] if isinstance(column, int) else column
+        slope = np.polyfit(t, values, 1)[0] * 60 if len(t) > 2 else float("nan")
+        return values[0], values[-1], values[-1] - values[0], slope
     print(f"{sum(soak.counts.values())} requests in {elapsed / 60:.1f} min from "
           f"{args.clients} clients: " + ", ".join(f"{k} {soak.counts[k]}" for k in KINDS))
     print("failures: " + (", ".join(f"{k} {v}" for k, v in soak.failures.items()) or "none"))
     for note in soak.notes:
         print("  " + note)
-    print(f"resident memory: {b[0] / 2**20:.0f} MB after warm-up, {b[-1] / 2**20:.0f} MB at "
-          f"the end (growth {growth:+.0f} MB, slope {slope:+.1f} MB/min over "
-          f"{(t[-1] - t[0]) / 60:.1f} min): {'flat' if growth < args.flat_mb else 'GROWING'}")
+    print(f"memory over the {t[-1] / 60:.1f} min after warm-up (MB: start -> end, growth, "
+          f"slope per min):")
+    for name, column in (("resident (RSS)", 0), ("MLX active", 1), ("MLX buffer cache", 2),
+                         ("prompt-cache store", 3),
+                         ("MLX active beyond the store", mb[:, 1] - mb[:, 3])):
+        first, last, growth, slope = trend(column)
+        print(f"  {name:28s} {first:7.0f} -> {last:7.0f}  {growth:+6.0f}  {slope:+6.1f}")
+    leak = trend(mb[:, 1] - mb[:, 3])[2]
+    print(f"live arrays beyond the prompt-cache store: "
+          f"{'flat' if leak < args.flat_mb else 'GROWING'} (growth {leak:+.0f} MB, "
+          f"bound {args.flat_mb:.0f} MB)")
 
 
 if __name__ == "__main__":

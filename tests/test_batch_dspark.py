@@ -163,7 +163,8 @@ def test_acceptance_stops_and_max_tokens_inside_blocks(loaded, monkeypatch):
     oracle = Oracle(model)
     caches = [oracle.know(model.make_cache(), text, right) for text, right in zip(texts, rights)]
     generator = BatchGenerator(model, stop_tokens=[stop], prefill_step_size=STEP,
-                               draft="dspark", num_draft_tokens=5)
+                               # steps counted on the one-chunk-a-step schedule
+                               decode_prefill_budget=None, draft="dspark", num_draft_tokens=5)
     generator.drafter = oracle
     verified = []  # per verify forward: [sequences, rows]
 
@@ -213,7 +214,8 @@ def test_joins_and_leaves_mid_run(loaded):
     truth(model, *texts)
     oracle = Oracle(model)
     generator = BatchGenerator(model, stop_tokens=(), max_tokens=10, prefill_step_size=STEP,
-                               draft="dspark", num_draft_tokens=4)
+                               # steps counted on the one-chunk-a-step schedule
+                               decode_prefill_budget=None, draft="dspark", num_draft_tokens=4)
     generator.drafter = oracle
     out = {}
 

@@ -27,6 +27,7 @@ from mlx_v41.server.engine import StopStrings
 from mlx_v41.server.images import ImageReader
 from mlx_v41.server.conversation import thinking_mode
 from mlx_v41.server.openai.messages import allows_tool_calls, chat_messages, tool_choice
+from mlx_v41.server.engine.batch import BatchEngine
 from mlx_v41.server.engine.prompt_store import PromptCacheStore, align_to_tokens
 from mlx_v41.server.errors import RequestError
 from mlx_v41.server.openai.protocol import ChatCompletionRequest, parse_body
@@ -334,6 +335,24 @@ def test_flags_default_to_loopback_and_refuse_bad_values(capsys):
     with pytest.raises(SystemExit):
         cli.setup_arg_parser().parse_args(["--model", "x", "--prompt-cache-bytes", "lots"])
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+def test_decode_prefill_budget_flag_reaches_the_batch_generator(capsys):
+    def parsed(*flags):
+        return cli.setup_arg_parser().parse_args(["--model", "x", *flags]).decode_prefill_budget
+    assert (parsed(), parsed("--decode-prefill-budget", "off"),
+            parsed("--decode-prefill-budget", "96")) == ("auto", None, 96)
+    for bad in ("0", "lots"):
+        with pytest.raises(SystemExit):
+            parsed("--decode-prefill-budget", bad)
+        assert f"{bad!r} is not auto, off or a positive integer" in capsys.readouterr().err
+    model, tokenizer = tiny()
+    for budget, fixed in (("auto", None), (96, 96)):
+        engine = BatchEngine(model, tokenizer, PromptCacheStore(model, 0),
+                             decode_prefill_budget=budget)
+        assert engine.generator.pacer.fixed == fixed
+    engine = BatchEngine(model, tokenizer, PromptCacheStore(model, 0), decode_prefill_budget=None)
+    assert engine.generator.pacer is None  # the one-chunk-a-step schedule
 
 
 @pytest.mark.parametrize("text", ["1e999", "-1", "nan"])

@@ -109,6 +109,10 @@ def setup_arg_parser() -> ArgumentParser:
         default=DEFAULT_PROMPT_CONCURRENCY,
         help="most prompts prefilled at once, chunk by chunk between decode steps (default "
              f"{DEFAULT_PROMPT_CONCURRENCY})")
+    add("--decode-prefill-budget", type=_prefill_budget, default="auto",
+        help="prompt tokens a step reads while replies decode: auto (about one decode step's "
+             "time, so a long prompt keeps the replies' token gaps bounded), a number, or off "
+             "(one --prefill-step-size chunk a step, the CED halo in one piece) (default auto)")
     add("--kv-budget", type=parse_size, default=None,
         help="bytes the running sequences' caches may take together, each counted at its "
              "prompt + max_tokens; a request waits until it fits (default: 90%% of the "
@@ -172,7 +176,8 @@ def build_app(args, keys=(), loader=None):
 
         kind = BatchEngine
         batching = {"decode_concurrency": args.decode_concurrency,
-                    "prompt_concurrency": args.prompt_concurrency, "kv_budget": args.kv_budget}
+                    "prompt_concurrency": args.prompt_concurrency, "kv_budget": args.kv_budget,
+                    "decode_prefill_budget": args.decode_prefill_budget}
     store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir, group)
     engine = kind(model, tokenizer, store, group=group,
                   prefill_step_size=args.prefill_step_size,
@@ -347,3 +352,16 @@ def follow(engine) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _prefill_budget(text: str):
+    """--decode-prefill-budget: "auto", a positive number of tokens, or "off" (None)."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, off or a positive integer")
+    return value

@@ -3,11 +3,12 @@
 `BatchGenerator` is the incremental engine (mlx-lm's shape): `insert` prompts, call `next()`
 once per step, `remove` a finished or cancelled sequence. A step
 
-1. prefills queued prompts chunk by chunk (`Model.forward`'s own chunks, so a prompt gets
-   the bits of a batch-1 prefill with the same `prefill_step_size`), round-robin over at
-   most `prefill_batch_size` prompts and at most `prefill_budget` prompt tokens per step, so a
-   long prompt never stalls the sequences already decoding and a short prompt behind it
-   starts after a few chunks;
+1. prefills queued prompts in paced pieces (`model.prefill.prefill_pieces`: chunks and CED
+   halo layers, the bits of a batch-1 prefill), the prompt with the least work left first,
+   within the step's prompt budget (Sarathi-Serve's stall-free batching): while any sequence
+   decodes, about one decode step's worth of prompt work (`PrefillPacer`), so a long prompt
+   never stalls the replies already streaming and a short prompt behind it starts at once;
+   with nothing decoding, `prefill_budget` in `prefill_step_size` chunks;
 2. feeds every decoding sequence's last token in one batched forward
    (`model.batch.batch_forward`: one call, each row against its own cache), emits those
    tokens, and samples each sequence's next token with its own sampler, logits processors
@@ -27,6 +28,7 @@ sequence's cache holds its prompt and every emitted token.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -39,10 +41,50 @@ from ..cache.persistence import copy_cache
 from ..kernels.context import using
 from ..model.batch import batch_forward
 from ..model.expert_reader import ExpertReadError
-from ..model.prefill import forward_steps
+from ..model.prefill import prefill_pieces
 from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
 from .sequence import BatchSequence, BatchStats, RandomKey, Response, random_stream
 from .speculative import Speculation, check_draft_settings, model_drafter, verify_blocks
+
+
+PREFILL_SHARE = 1.0  # auto budget: a step's prompt seconds per second of its decode step
+MIN_PREFILL_CHUNK = 32  # auto budget floor (tokens): below it a chunk's fixed costs show
+EMA_WEIGHT = 0.25  # weight of a step's measurement in the pacer's running means
+
+
+class PrefillPacer:
+    """The prompt work a step may do while sequences decode, in prompt tokens (a CED halo
+    layer counts its rows over the encoder layers, `prefill.Pace`): a fixed budget, or
+    "auto": one decode step's time at the prompts' measured seconds per token (running means
+    of both), within [min_chunk, max_chunk], so a reply's token gap stays about two decode
+    steps while a long prompt is read."""
+
+    def __init__(self, budget, min_chunk: int, max_chunk: int):
+        self.fixed = None if budget == "auto" else budget
+        self.min_chunk, self.max_chunk = min(min_chunk, max_chunk), max_chunk
+        self.decode_seconds: Optional[float] = None
+        self.prompt_seconds: Optional[float] = None  # per step, with `prompt_tokens`
+        self.prompt_tokens: Optional[float] = None
+
+    def budget(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if self.decode_seconds is None or not self.prompt_tokens:
+            return self.min_chunk  # nothing measured yet: the smallest chunk
+        tokens = PREFILL_SHARE * self.decode_seconds * self.prompt_tokens / self.prompt_seconds
+        return float(min(max(int(tokens), self.min_chunk), self.max_chunk))
+
+    def decoded(self, seconds: float) -> None:
+        self.decode_seconds = _mean(self.decode_seconds, seconds)
+
+    def prefilled(self, tokens: float, seconds: float) -> None:
+        if tokens > 0:  # a cost-weighted rate: small pieces do not swing it
+            self.prompt_tokens = _mean(self.prompt_tokens, tokens)
+            self.prompt_seconds = _mean(self.prompt_seconds, seconds)
+
+
+def _mean(mean: Optional[float], value: float) -> float:
+    return value if mean is None else (1 - EMA_WEIGHT) * mean + EMA_WEIGHT * value
 
 
 class BatchGenerator:
@@ -57,9 +99,15 @@ class BatchGenerator:
         completion_batch_size: most sequences decoding together (more wait, prefilled, for a
             slot); prompts being prefilled count too.
         prefill_batch_size: most prompts being prefilled at once.
-        prefill_step_size: prompt tokens per prefill chunk (as `stream_generate`'s).
-        prefill_budget: prompt tokens prefilled per step at most (at least one chunk runs
-            when any prompt waits); default one chunk.
+        prefill_step_size: prompt tokens per prefill chunk (as `stream_generate`'s) at most.
+        prefill_budget: prompt tokens prefilled per step while no sequence decodes (at least
+            one piece runs when any prompt waits); default one chunk.
+        decode_prefill_budget: prompt work per step while any sequence decodes: "auto"
+            (default: about one decode step's time, `PrefillPacer`), a number of prompt
+            tokens, or None for the old schedule (`prefill_budget` per step in
+            `prefill_step_size` chunks, round-robin, the CED halo in one piece).
+        min_prefill_chunk: the smallest "auto" budget, and the smallest chunk a step starts
+            with what is left of its budget (tokens).
         on_prefilled: called as (uid, cache) when a prompt is in its cache, before its first
             token is fed (a server keeps the prompt's cache for reuse there).
         draft: "dspark" decodes speculatively (the model loaded with dspark=True; every
@@ -73,13 +121,19 @@ class BatchGenerator:
                  prefill_batch_size: int = 8,
                  prefill_step_size: Optional[int] = DEFAULT_PREFILL_STEP_SIZE,
                  prefill_budget: Optional[int] = None,
+                 decode_prefill_budget="auto", min_prefill_chunk: int = MIN_PREFILL_CHUNK,
                  on_prefilled: Optional[Callable[[int, list], None]] = None,
                  draft: Optional[str] = None, num_draft_tokens: int = 5,
                  draft_confidence: Optional[float] = None):
         for name, value in (("completion_batch_size", completion_batch_size),
-                            ("prefill_batch_size", prefill_batch_size)):
+                            ("prefill_batch_size", prefill_batch_size),
+                            ("min_prefill_chunk", min_prefill_chunk)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not (decode_prefill_budget in (None, "auto") or (
+                isinstance(decode_prefill_budget, int) and decode_prefill_budget > 0)):
+            raise ValueError(f"decode_prefill_budget must be 'auto', a positive int or None, "
+                             f"got {decode_prefill_budget!r}")
         from mlx_lm.sample_utils import greedy_sampler
 
         if draft not in (None, "dspark"):
@@ -98,9 +152,12 @@ class BatchGenerator:
         self.prefill_batch_size = prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.prefill_budget = prefill_budget or prefill_step_size or 0
+        self.pacer = None if decode_prefill_budget is None else PrefillPacer(
+            decode_prefill_budget, min_prefill_chunk, prefill_step_size or math.inf)
+        self.step_budget = 0.0  # the last step's prompt budget (tokens; inf: no limit)
         self.on_prefilled = on_prefilled
         self.waiting: deque = deque()   # inserted, not yet prefilling
-        self.prefilling: deque = deque()  # round-robin order
+        self.prefilling: deque = deque()  # admission order (the old schedule's turns)
         self.decoding: list = []
         self._uid = 0
         self.counters = BatchStats()
@@ -245,9 +302,9 @@ class BatchGenerator:
                 len(self.prefilling) + len(self.decoding) < self.completion_batch_size:
             seq = self.waiting.popleft()
             try:
-                seq.steps = forward_steps(self.model, seq.prompt, seq.cache, last_only=True,
-                                          step_size=self.prefill_step_size, images=seq.images,
-                                          progress=seq.progress)
+                seq.steps = prefill_pieces(self.model, seq.prompt, seq.cache,
+                                           step_size=self.prefill_step_size, images=seq.images,
+                                           progress=seq.progress)
             except Exception as e:
                 responses += self._fail(seq, e)
                 continue
@@ -255,26 +312,84 @@ class BatchGenerator:
         return responses
 
     def _prefill(self) -> list:
-        """Chunks of the prefilling prompts, round-robin, within the step's token budget."""
-        responses, spent, tic = [], 0, time.perf_counter()
+        """Pieces of the prefilling prompts within the step's budget (`_budget`)."""
+        responses, tic, reading = [], time.perf_counter(), bool(self.prefilling)
+        if self.pacer is None:
+            self._round_robin(responses)
+        else:
+            work = self._shortest_first(responses)
+            self.pacer.prefilled(work, time.perf_counter() - tic)
+        if reading:  # a piece ran (halo pieces read no new tokens but count)
+            self.counters.prompt_time += time.perf_counter() - tic
+        return responses
+
+    def _budget(self) -> float:
+        """The step's prompt work: the pacer's while any sequence decodes, else
+        `prefill_budget` (one `prefill_step_size` chunk by default)."""
+        self.step_budget = self.pacer.budget() if self.decoding else \
+            self.prefill_budget or math.inf
+        return self.step_budget
+
+    def _shortest_first(self, responses: list) -> float:
+        """Pieces within the step's budget, the prompt with the least work left first; a
+        prompt whose next piece does not fit what is left waits (the step's first piece
+        always runs). A prompt that starts decoding makes an idle step's budget the pacer's."""
+        spent = 0.0
+        for seq in sorted(self.prefilling, key=lambda s: s.steps.pace.left):
+            while seq.steps is not None:
+                room = self._budget() - spent
+                if spent and not self._fits(seq, room):
+                    break
+                spent += self._piece(seq, room, responses)
+        return spent
+
+    def _fits(self, seq, room: float) -> bool:
+        """Whether the prompt's next piece is worth starting in `room`: a halo piece whole, a
+        chunk of `min_prefill_chunk` rows (or what the prompt has left)."""
+        pace = seq.steps.pace
+        least = pace.next if pace.in_halo else min(pace.next, self.pacer.min_chunk)
+        return room > 0 and least <= room
+
+    def _round_robin(self, responses: list) -> float:
+        """The old schedule: `prefill_step_size` chunks in turn, the halo in one piece, until
+        `prefill_budget` prompt tokens."""
+        spent, self.step_budget = 0, self.prefill_budget or math.inf
         while self.prefilling and (spent == 0 or spent < self.prefill_budget):
             seq = self.prefilling.popleft()
+            self.prefilling.append(seq)  # to the back of the queue
             before = seq.prefilled
-            try:
-                try:
-                    next(seq.steps)
-                    self.prefilling.append(seq)  # more to do: to the back of the queue
-                except StopIteration as end:
-                    seq.steps = None
-                    self._start_decoding(seq, end.value.logits)
-            except Exception as e:  # the prompt, or its first sample (a processor), failed
-                seq.steps = None
-                responses += self._fail(seq, e)
+            self._piece(seq, math.inf, responses)
             spent += max(seq.prefilled - before, 0)
-        if spent:
-            self.counters.prompt_time += time.perf_counter() - tic
-            self.counters.prompt_tokens += spent
-        return responses
+        return spent
+
+    def _piece(self, seq, allowance: float, responses: list) -> float:
+        """Run one piece of the sequence's prompt; its work. The prompt in, it starts
+        decoding; a failure (the prompt, or its first sample: a processor) fails it alone."""
+        pace, before = seq.steps.pace, seq.prefilled
+        try:
+            output = self._run_piece(seq, allowance)
+            if output is not None:
+                seq.steps = None
+                self.prefilling.remove(seq)
+                self._start_decoding(seq, output.logits)
+        except Exception as e:
+            seq.steps = None
+            responses += self._fail(seq, e)
+        self.counters.prompt_tokens += max(seq.prefilled - before, 0)
+        return pace.done
+
+    def _run_piece(self, seq, allowance: float):
+        """`Pieces.run`; interrupted (Ctrl-C), the prompt's cache is back as before the
+        prompt, so it waits at the front of the queue to be read again from its start."""
+        try:
+            return seq.steps.run(allowance)
+        except Exception:
+            raise
+        except BaseException:
+            seq.steps, seq.prefilled = None, 0
+            self.prefilling.remove(seq)
+            self.waiting.appendleft(seq)
+            raise
 
     def _start_decoding(self, seq, logits) -> None:
         """The prompt is in: sample its first token; the sequence joins the decode batch."""
@@ -336,8 +451,15 @@ class BatchGenerator:
         decoded = [s for part, _ in parts for s in part]
         mx.eval([s.token for s in decoded if s.finish_reason is None and s.token is not None])
         self.counters.generation_tokens += len(decoded)
-        self.counters.generation_time += time.perf_counter() - tic
+        self._timed_decode(tic)
         return responses
+
+    def _timed_decode(self, tic: float) -> None:
+        """Count a decode step's time (and give it to the pacer)."""
+        seconds = time.perf_counter() - tic
+        self.counters.generation_time += seconds
+        if self.pacer is not None:
+            self.pacer.decoded(seconds)
 
     def _forward(self, batch: list) -> mx.array:
         ids = mx.concatenate([s.token.reshape(1, 1) for s in batch], axis=0)
@@ -387,7 +509,7 @@ class BatchGenerator:
             raise
         for seq, seq_rows in zip(batch, rows):
             responses += self._settle(seq, seq_rows)
-        self.counters.generation_time += time.perf_counter() - tic
+        self._timed_decode(tic)
         return responses
 
     def _settle(self, seq, rows: mx.array) -> list:

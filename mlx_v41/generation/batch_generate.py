@@ -40,7 +40,8 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]
             cache, generated ids (the stop token not included) and their log-probabilities.
         kwargs: `BatchGenerator` settings (`sampler`, `logits_processors`,
             `completion_batch_size`, `prefill_batch_size`, `prefill_step_size`,
-            `prefill_budget`, `draft`, `num_draft_tokens`, `draft_confidence`); `seeds`
+            `prefill_budget`, `decode_prefill_budget`, `min_prefill_chunk`, `draft`,
+            `num_draft_tokens`, `draft_confidence`); `seeds`
             (one per prompt, as `insert`'s) and `images` (per
             prompt: None or the images of its placeholders, as `stream_generate`'s).
     Returns:

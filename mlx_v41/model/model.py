@@ -161,14 +161,28 @@ class TextModel(nn.Module):
                       halo: Optional[list] = None):
         """Decoder layers, then the final collapse and norm. `halo[k]` = (rows in, rows out)
         of decoder layer k; None = every row."""
-        layers, mixes = self.layers[self.decoder_start:], None
-        for k, (layer, c) in enumerate(zip(layers, cache[self.decoder_start:])):
+        return self.decoder_output(self.decoder_layers((streams, pre, None), state, cache, halo))
+
+    def decoder_layers(self, carry: tuple, state: ForwardState, cache: list,
+                       halo: Optional[list] = None, first: int = 0,
+                       stop: Optional[int] = None) -> tuple:
+        """Decoder layers `first` to `stop` - 1 (k counted from the first decoder layer) over
+        carry = (streams, pre, mixes made for layer `first` or None) -> the carry of layer
+        `stop`. A paced CED halo runs the stack in such pieces: the same ops as one pass."""
+        layers, (streams, pre, mixes) = self.layers[self.decoder_start:], carry
+        for k in range(first, len(layers) if stop is None else stop):
             n_in, n_out = (streams.shape[1],) * 2 if halo is None else halo[k]
             if n_in < streams.shape[1]:
                 streams, pre = streams[:, -n_in:], pre[:, -n_in:]
                 mixes = None if mixes is None else last_rows(mixes, n_in)
-            streams, pre, mixes = layer(streams, pre, state, c, n_out, mixes=mixes,
-                                        hand_to=_receiver(layers, k + 1, state))
+            streams, pre, mixes = layers[k](streams, pre, state, cache[self.decoder_start + k],
+                                            n_out, mixes=mixes,
+                                            hand_to=_receiver(layers, k + 1, state))
+        return streams, pre, mixes
+
+    def decoder_output(self, carry: tuple) -> mx.array:
+        """The final collapse and norm of the last decoder layer's carry."""
+        streams, pre, _ = carry
         return norm(streams, self.norm.weight, self.norm.eps, pre=pre)[0]
 
 

@@ -6,7 +6,9 @@
   on (`schedule.ced_halo`); the last position's logits equal a full prefill's.
 * `ced_replay`: the tech report's bounded replay, the decoder over the last window only
   (APPROXIMATE, opt-in).
-A call is atomic: the cache changes only if it completes (`cache.layer.transaction`).
+A call is atomic: the cache changes only if it completes (`cache.layer.transaction`). A batch
+engine runs a prompt in paced pieces (`prefill_pieces`): chunks sized per step and the halo a
+few decoder layers at a time, the same ops and bits as one call.
 """
 
 from __future__ import annotations
@@ -27,18 +29,18 @@ PREFILL_MODES = ("ced", "full", "ced_replay")
 
 
 class Progress:
-    """After each chunk of a multi-chunk call: evaluates its result and the cache (so the
-    chunk's graph is freed and memory stays bounded, as in mlx-lm), then reports the running
-    token count when asked to. A single chunk stays lazy (decode steps pipeline)."""
+    """After each chunk of a multi-chunk (or paced) call: evaluates its result and the cache
+    (so the chunk's graph is freed and memory stays bounded, as in mlx-lm), then reports the
+    running token count when asked to. A single chunk stays lazy (decode steps pipeline)."""
 
-    def __init__(self, callback, total: int, cache: list, chunks: int):
+    def __init__(self, callback, total: int, cache: list, is_chunked: bool):
         self.callback, self.total, self.done = callback, total, 0
-        self.cache, self.chunks = cache, chunks
+        self.cache, self.is_chunked = cache, is_chunked
 
     def __call__(self, value, rows: int):
-        if self.chunks > 1 or self.callback is not None:
-            mx.eval(value, [c.state for c in self.cache] if self.chunks > 1 else [])
-        if self.callback is not None:
+        if self.is_chunked or self.callback is not None:
+            mx.eval(value, [c.state for c in self.cache] if self.is_chunked else [])
+        if self.callback is not None and rows:
             self.done += rows
             self.callback(self.done, self.total)
         return value
@@ -67,39 +69,42 @@ def finish(steps):
 
 def forward_steps(model, ids, cache: Optional[list], *, last_only: bool, step_size=None,
                   embeddings=None, taps: tuple = (), teacher=None, capture=None,
-                  progress: Optional[Callable] = None, images=None, runner=None):
+                  progress: Optional[Callable] = None, images=None, runner=None,
+                  pace: Optional["Pace"] = None):
     """`run_forward` one chunk at a time: checks the inputs now (a ValueError before anything
     runs), then returns a generator that yields after each chunk and returns the
     `ModelOutput`. The cache changes only when the generator completes; closing it early (or
     an exception) leaves the cache as it was. The caller makes the model's kernels active
     (`kernels.context.using`) around each step; a batch engine interleaves other sequences'
-    forwards between the steps of a prompt's."""
+    forwards between the steps of a prompt's. With a `pace` the generator is paced instead
+    (`prefill_pieces` drives it)."""
     ids = _as_ids(ids)
     cache = model.make_cache() if cache is None else cache
     _check_inputs(model, ids, cache, embeddings, step_size, teacher)
     check_images(model, ids, embeddings, images)
     start = cache[0].offset
     length = ids.shape[1]
-    step = step_size or length
-    chunks = split_chunks(ids, embeddings, images, step)
+    rows = Rows(ids, embeddings, images, step_size or length)
     mode = "full" if not last_only or teacher is not None else model.prefill_mode
     drafting = model.drafting
     targets = tuple(model.cfg.dspark_target_layer_ids) if drafting else ()
     probe = None if teacher is None and capture is None else Probe(teacher, capture)
     # only the draft rings read the targets' taps: then keep what a ring holds
     keep = cache[-1].window.capacity if drafting and not taps else None
+    is_chunked = pace is not None or rows.step < length
     run = (runner or Run)(model, cache, start, Taps(tuple(dict.fromkeys(taps + targets)), keep),
-                          probe, Progress(progress, length, cache, len(chunks)))
+                          probe, Progress(progress, length, cache, is_chunked))
     run.image_mask = None if images is None else images.mask()
-    return _run_steps(run, chunks, mode, last_only, taps, start + length)
+    run.rows, run.pace = rows, pace
+    return _run_steps(run, mode, last_only, taps, start + length)
 
 
-def _run_steps(run, chunks: list, mode: str, last_only: bool, taps: tuple, end: int):
+def _run_steps(run, mode: str, last_only: bool, taps: tuple, end: int):
     with transaction(run.cache):
         if mode == "full":
-            logits = yield from run.full(chunks, last_only)
+            logits = yield from run.full(last_only)
         else:
-            logits = yield from run.encoder_only(chunks, mode)
+            logits = yield from run.encoder_only(mode)
         if run.model.drafting:
             run.write_draft_rings(run.taps.rows, end)
         commit(run.cache, end)
@@ -140,15 +145,78 @@ class Chunk(NamedTuple):
     images: Optional[object]  # vision.ImageInputs of the chunk's positions
 
 
-def split_chunks(ids, embeddings, images, step: int) -> list:
-    """The call's rows in chunks of `step`; a chunk without span positions has no images."""
-    chunks = []
-    for i in range(0, ids.shape[1], step):
-        part = None if images is None else images.chunk(i, i + step)
-        chunks.append(Chunk(ids[:, i:i + step],
-                            None if embeddings is None else embeddings[:, i:i + step],
-                            part if part is not None and part.has_spans else None))
-    return chunks
+class Rows:
+    """A call's rows, taken in order one chunk at a time: `step` rows each, or as many as the
+    caller asks for (any split gives the same bits). A chunk without span positions has no
+    images."""
+
+    def __init__(self, ids: mx.array, embeddings, images, step: int):
+        self.ids, self.embeddings, self.images, self.step = ids, embeddings, images, step
+        self.length, self.taken = ids.shape[1], 0
+
+    @property
+    def left(self) -> int:
+        return self.length - self.taken
+
+    def take(self, size: Optional[int] = None) -> Chunk:
+        begin = self.taken
+        end = self.taken = min(self.length, begin + (size or self.step))
+        part = None if self.images is None else self.images.chunk(begin, end)
+        return Chunk(self.ids[:, begin:end],
+                     None if self.embeddings is None else self.embeddings[:, begin:end],
+                     part if part is not None and part.has_spans else None)
+
+
+@dataclass
+class Pace:
+    """A paced call's work, in prompt tokens: an encoder (or full-model) chunk row is 1, a
+    CED halo decoder layer over r rows is r / (encoder layers), the rows a prompt token
+    passes. The caller sends each piece's `allowance`; after it, `done` is the piece's work,
+    `left` the call's work still to do and `next` the next piece's work run whole (a chunk
+    of `step_size` rows or what is left, or the next halo layer); `in_halo` once the chunks
+    are done."""
+
+    allowance: float = 0.0
+    done: float = 0.0
+    left: float = 0.0
+    next: float = 0.0
+    in_halo: bool = False
+
+
+class Pieces:
+    """A last-position prefill run one paced piece at a time, between other work (a batch
+    engine's prompt, `prefill_pieces`). `run(allowance)` runs the next piece: a chunk of at
+    most `allowance` rows (and `step_size`), or as many CED halo decoder layers as fit
+    `allowance` (at least one); it returns the `ModelOutput` after the last piece, else None.
+    `pace` says what each piece did and what is left. `close()` abandons the call (the cache
+    is left as it was)."""
+
+    def __init__(self, steps, pace: Pace):
+        self.steps, self.pace = steps, pace
+        next(steps)  # to the first piece: nothing has run yet
+
+    def run(self, allowance: float) -> Optional["ModelOutput"]:
+        pace = self.pace
+        pace.done = 0.0
+        try:
+            self.steps.send(allowance)
+        except StopIteration as end:
+            pace.done, pace.left, pace.next = pace.left, 0.0, 0.0
+            return end.value
+        return None
+
+    def close(self) -> None:
+        self.steps.close()
+
+
+def prefill_pieces(model, ids, cache: Optional[list], *, step_size: Optional[int] = None,
+                   images=None, progress: Optional[Callable] = None) -> Pieces:
+    """A last-position prefill of `ids` into `cache` run in paced pieces (`Pieces`): the same
+    logits and cache, bit for bit, as `Model.prefill` with any `step_size`. Checks the inputs
+    now (a ValueError before anything runs)."""
+    pace = Pace()
+    return Pieces(forward_steps(model, ids, cache, last_only=True, step_size=step_size,
+                                images=images, progress=progress, pace=pace), pace)
 
 
 class Run:
@@ -159,6 +227,8 @@ class Run:
         self.model, self.text, self.cache, self.start = model, model.model, cache, start
         self.taps, self.probe, self.report = taps, probe, report
         self.image_mask = None  # [B, S] bool over the whole call, when it has images
+        self.rows: Optional[Rows] = None  # the call's rows (`forward_steps` sets them)
+        self.pace: Optional[Pace] = None  # a paced call's (`prefill_pieces`)
 
     def state(self, start: int, end: int) -> ForwardState:
         return ForwardState(start=start, end=end, shared=shared_state(self.cache, self.text.roles),
@@ -191,29 +261,58 @@ class Run:
         """The drafter's rings from the call's target-layer `taps` (`write_draft_rings`)."""
         write_draft_rings(self.model, self.cache, taps, end)
 
-    def full(self, chunks: list, last_only: bool):
+    def next_chunk(self) -> Chunk:
+        """The next chunk: `step_size` rows, or in a paced call as many as the allowance."""
+        rows = self.rows
+        if self.pace is None:
+            return rows.take()
+        return rows.take(max(1, int(min(self.pace.allowance, rows.step, rows.left))))
+
+    def pause(self, done: float, next_work: float):
+        """Between two pieces: a plain call yields; a paced one records the piece's work and
+        the next piece's, and takes the next allowance."""
+        if self.pace is None:
+            yield
+            return
+        pace = self.pace
+        pace.done, pace.left, pace.next = done, pace.left - done, next_work
+        pace.allowance = yield
+
+    def chunk_work(self) -> float:
+        return min(self.rows.step, self.rows.left)
+
+    def full(self, last_only: bool):
         """Every layer over every row, chunk by chunk (a generator: it yields between chunks
         and returns the logits)."""
         outs, position = [], self.start
-        for chunk in chunks:
+        if self.pace is not None:
+            self.pace.left = self.rows.length
+            yield from self.pause(0.0, self.chunk_work())
+        while self.rows.left:
+            chunk = self.next_chunk()
             state, streams, pre = self.encode(chunk, position)
             hidden = self.text.decoder_stack(streams, pre, state, self.cache)
             outs.append(self.report(self.model.head(hidden, last_only), chunk.ids.shape[1]))
             position = state.end
-            if len(outs) < len(chunks):
-                yield
+            if self.rows.left:
+                yield from self.pause(chunk.ids.shape[1], self.chunk_work())
         return outs[-1] if last_only else mx.concatenate(outs, axis=1)
 
-    def encoder_only(self, chunks: list, mode: str):
+    def encoder_only(self, mode: str):
         """Encoder (and the first decoder layer's global KV) chunk by chunk, then the decoder
         over the halo rows of the whole call (a generator: it yields after each chunk and
-        returns the last position's logits)."""
+        returns the last position's logits; a paced call yields between halo pieces too)."""
         text, position = self.text, self.start
-        end = self.start + sum(chunk.ids.shape[1] for chunk in chunks)
+        end = self.start + self.rows.length
         halo = halo_spans(self.model, end - self.start, mode)
         keep = halo[0][0] if halo else 1
+        works = [rows_in / max(text.decoder_start, 1) for rows_in, _ in halo]
+        if self.pace is not None:
+            self.pace.left = self.rows.length + sum(works)
+            yield from self.pause(0.0, self.chunk_work())
         tail = None  # (streams, pre) of the last `keep` rows so far: memory bounded by the halo
-        for chunk in chunks:
+        while self.rows.left:
+            chunk = self.next_chunk()
             state, streams, pre = self.encode(chunk, position)
             self.precompress(state, streams, pre)
             streams, pre = streams[:, -keep:], pre[:, -keep:]
@@ -222,12 +321,34 @@ class Run:
                 pre = mx.concatenate([tail[1], pre], axis=1)[:, -keep:]
             tail = self.report((streams, pre), chunk.ids.shape[1])
             position = state.end
-            yield
+            if not self.rows.left and self.pace is not None:
+                self.pace.in_halo = True
+            yield from self.pause(chunk.ids.shape[1],
+                                  self.chunk_work() if self.rows.left else sum(works[:1]))
         state = self.state(self.start, end)
         state.image_mask = self.image_mask
         state.precompressed.add(text.decoder_start)
         state.truncate_window = mode == "ced_replay" and end - self.start > text.cfg.sliding_window
-        return self.model.head(text.decoder_stack(*tail, state, self.cache, halo), True)
+        hidden = yield from self.decode_halo(tail, state, halo, works)
+        return self.model.head(hidden, True)
+
+    def decode_halo(self, tail: tuple, state: ForwardState, halo: list, works: list):
+        """The decoder over the halo (a generator returning the normed hidden rows): in one
+        pass, or in a paced call as groups of decoder layers that fit each allowance (at
+        least one), the carry evaluated between them (the same ops, so the same bits)."""
+        if self.pace is None:
+            return self.text.decoder_stack(*tail, state, self.cache, halo)
+        carry, first = (*tail, None), 0
+        while first < len(works):
+            stop, work = first + 1, works[first]
+            while stop < len(works) and work + works[stop] <= self.pace.allowance:
+                work, stop = work + works[stop], stop + 1
+            carry = self.text.decoder_layers(carry, state, self.cache, halo, first, stop)
+            first = stop
+            if first < len(works):
+                carry = self.report(carry, 0)
+                yield from self.pause(work, works[first])
+        return self.text.decoder_output(carry)
 
     def precompress(self, state: ForwardState, streams, pre) -> None:
         """CED step 2: the first decoder layer's compressed KV for every row of the chunk (its

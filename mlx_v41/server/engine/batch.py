@@ -82,6 +82,8 @@ class BatchEngine(Engine):
         kv_budget: bytes the running sequences' caches may take together (each counted at its
             prompt + max_tokens, `model.memory.session_bytes`); a request waits until it fits.
             None: `default_kv_budget`.
+        decode_prefill_budget: prompt work a step does while sequences decode
+            (`BatchGenerator`'s: "auto", tokens, or None for one chunk a step).
         max_concurrent: requests queued or running at most (more get EngineBusy: HTTP 429).
         Others as `Engine`'s.
     """
@@ -89,7 +91,7 @@ class BatchEngine(Engine):
     def __init__(self, model, tokenizer, store, *,
                  decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
                  prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
-                 kv_budget: Optional[int] = None, **options):
+                 kv_budget: Optional[int] = None, decode_prefill_budget="auto", **options):
         super().__init__(model, tokenizer, store, **options)
         self.kv_budget = default_kv_budget(model, store.max_bytes) if kv_budget is None \
             else kv_budget
@@ -97,7 +99,8 @@ class BatchEngine(Engine):
             model, stop_tokens=tokenizer.eos_token_ids,
             completion_batch_size=decode_concurrency, prefill_batch_size=prompt_concurrency,
             prefill_step_size=self.prefill_step_size or DEFAULT_PREFILL_STEP_SIZE,
-            on_prefilled=self._prefilled, **self.draft)  # DSpark: every request drafts
+            decode_prefill_budget=decode_prefill_budget, on_prefilled=self._prefilled,
+            **self.draft)  # DSpark: every request drafts
         self.counters = self.generator.counters  # the drafts, for the metrics
         self.waiting: deque = deque()  # submitted, not yet in the batch (by arrival)
         self.running: dict = {}  # uid -> _Running

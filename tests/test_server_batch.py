@@ -352,8 +352,9 @@ def test_dspark_requests_batch_and_equal_batch_one():
     for k, text in enumerate(texts):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                             enable_thinking=False)
-        responses = list(mlx_v41.stream_generate(model, tokenizer, ids, max_tokens=10,
-                                                 draft="dspark", num_draft_tokens=3))
+        responses = list(mlx_v41.stream_generate(
+            model, tokenizer, ids, max_tokens=10, draft="dspark", num_draft_tokens=3,
+            logits_processors=processors_from(base_fields(True), tokenizer)))
         assert results[k] == ("".join(r.text for r in responses), len(responses)), k
 
 

@@ -15,7 +15,8 @@ import pytest
 
 import mlx_v41
 from conftest import golden_checkpoint, packed_state, reference_ops
-from mlx_v41.generation.batch import BatchGenerator, PrefillPacer
+from mlx_v41.generation.batch import BatchGenerator
+from mlx_v41.generation.pacing import PrefillPacer
 from mlx_v41.model.prefill import Pieces, prefill_pieces
 
 pytestmark = pytest.mark.usefixtures("cpu")

@@ -27,7 +27,12 @@ machine.
    `mlx_v41.inspect` prints), and measured: `mlx_v41.cache_bytes` per session of the speed run,
    and the engine holding the largest B sessions against the sum of the same sessions alone.
 
+5. --pipeline B...: `BatchGenerator.next()` pipelined (the default) against each step
+   evaluated before it returns (`pipelined=False`): median step time, the host's part of the
+   latter (outside `mx.eval`), and the share of it the pipelining hides.
+
     python benchmarks/bench_batch.py [--sizes 1 2 4 8 16 32 --max-context 4096 --steps 12]
+    python benchmarks/bench_batch.py --skip-cpu --pipeline 1 8 32
 """
 
 from __future__ import annotations
@@ -374,6 +379,70 @@ def bench_cpu(args) -> None:
         measured_memory(model, result["last"], args.steps)
 
 
+def engine_steps(model, sessions: list, steps: int, pipelined: bool) -> dict:
+    """`BatchGenerator.next()` over the sessions (all decoding from the first step): the
+    median wall time of a step, and of its time outside `mx.eval` (the host's: building the
+    graph, sampling, emitting) where each step is evaluated before it returns, plus the
+    tokens."""
+    engine = mlx_v41.BatchGenerator(model, max_tokens=steps + 2, pipelined=pipelined,
+                                    completion_batch_size=len(sessions),
+                                    prefill_batch_size=len(sessions))
+    engine.insert([[s.first] for s in sessions],
+                  caches=[mlx_v41.copy_cache(s.cache) for s in sessions])
+    real_eval, waited = mx.eval, [0.0]
+
+    def timed_eval(*arrays):
+        tic = time.perf_counter()
+        real_eval(*arrays)
+        waited[0] += time.perf_counter() - tic
+
+    walls, hosts, tokens = [], [], {}
+    mx.eval = timed_eval
+    try:
+        engine.next()  # the one-token prompts and first samples
+        while len(engine):
+            waited[0], tic = 0.0, time.perf_counter()
+            for r in engine.next():
+                tokens.setdefault(r.uid, []).append(r.token)
+            walls.append(time.perf_counter() - tic)
+            hosts.append(walls[-1] - waited[0])
+    finally:
+        mx.eval = real_eval
+    steady = slice(1, -1)  # the first and last steps start or drain the pipeline
+    return dict(wall=float(np.median(walls[steady])), host=float(np.median(hosts[steady])),
+                tokens=tokens)
+
+
+def pipeline(model, sessions: list, sizes: list, steps: int, repeats: int) -> None:
+    """The pipelined step against the step evaluated before it returns, per B."""
+    print("\n| B | step, evaluated before it returns | its host time (outside mx.eval) | "
+          "step, pipelined | pipelined / evaluated | share of the host time hidden | tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for b in sizes:
+        part = sessions[:b]
+        engine_steps(model, part, 2, True)  # warm-up at this batch shape
+        best = {}
+        for _ in range(repeats):
+            for pipelined in (False, True):
+                run = engine_steps(model, part, steps, pipelined)
+                if pipelined not in best or run["wall"] < best[pipelined]["wall"]:
+                    best[pipelined] = run
+        old, new = best[False], best[True]
+        hidden = (old["wall"] - new["wall"]) / old["host"] if old["host"] > 0 else 0.0
+        same = "identical" if old["tokens"] == new["tokens"] else "DIFFER"
+        print(f"| {b} | {old['wall'] * 1e3:.1f} ms | {old['host'] * 1e3:.1f} ms | "
+              f"{new['wall'] * 1e3:.1f} ms | {new['wall'] / old['wall']:.3f} | {hidden:.0%} | "
+              f"{same} |", flush=True)
+
+
+def bench_pipeline(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = mlx_v41.load_model(cpu_checkpoint(Path(tmp), args.engram, False))
+        lengths = mixed_lengths(max(args.pipeline), args.min_context, args.max_context)
+        sessions = prefill_sessions(model, lengths, args.prefill_step_size)
+        pipeline(model, sessions, args.pipeline, args.steps, args.repeats)
+
+
 def bench_real(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = mlx_v41.load_model(cpu_checkpoint(args.real_checkpoint or Path(tmp), False, True))
@@ -404,6 +473,9 @@ def main() -> None:
                         help="reuse (or write) the real-width checkpoint here (writing it takes "
                         "minutes)")
     parser.add_argument("--skip-cpu", action="store_true", help="no CPU-checkpoint speed run")
+    parser.add_argument("--pipeline", type=int, nargs="+", metavar="B",
+                        help="also time the pipelined engine step against the one evaluated "
+                        "before it returns, at these B (e.g. 1 8 32)")
     parser.add_argument("--bandwidth", type=parse_bytes, default=parse_bytes("800GB"),
                         help="memory bandwidth per second for the roofline (default 800GB)")
     parser.add_argument("--roofline-context", type=parse_count, default=parse_count("128K"))
@@ -415,6 +487,8 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f}")
     if not args.skip_cpu:
         bench_cpu(args)
+    if args.pipeline:
+        bench_pipeline(args)
     if args.real_width:
         bench_real(args)
     roofline(sorted(set(args.sizes) | {1, 8, 32, 64}), args.bandwidth, args.roofline_context)

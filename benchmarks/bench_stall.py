@@ -57,6 +57,8 @@ class Result:
     prompt_seconds: float = 0.0  # of long_seconds, reading prompts
     steps: int = 0  # while the long prompt was read
     budgets: list = field(default_factory=list)
+    decode_during: list = field(default_factory=list)  # each step's decode part (s)
+    prompt_during: list = field(default_factory=list)  # each step's prompt part (s)
     tokens: dict = field(default_factory=dict)  # reply index -> token ids
 
 
@@ -110,9 +112,13 @@ def run(model, name: str, budget, args) -> Result:
         if result.steps == args.short_after:
             short_uid, short_at = generator.insert([short_ids], max_tokens=1)[0], result.steps
             short_time = time.perf_counter()
+        counters = generator.counters
+        decode_time, prompt_time_before = counters.generation_time, counters.prompt_time
         responses = step()
         result.steps += 1
         result.budgets.append(generator.step_budget)
+        result.decode_during.append(counters.generation_time - decode_time)
+        result.prompt_during.append(counters.prompt_time - prompt_time_before)
         if short_uid is not None and not result.short_steps and \
                 any(r.uid == short_uid for r in responses):
             result.short_steps = result.steps - short_at
@@ -164,6 +170,14 @@ def report(results: list, idle) -> None:
               f"{percentile(r.gaps_during, 99) / r.step_before:.1f}x | "
               f"{r.short_steps} steps, {r.short_seconds:.2f} s | "
               f"{r.long_seconds:.1f} s ({r.prompt_seconds:.1f} s) | {r.steps} | {budget} |")
+    print("\nwhile the long prompt is read, per step (ms): decode part p50 / p99, prompt part "
+          "p50 / p99; the gap p99 over the decode part's p50 (the decode step alone then)")
+    for r in results:
+        print(f"  {r.name}: decode {percentile(r.decode_during, 50) * 1e3:.0f} / "
+              f"{percentile(r.decode_during, 99) * 1e3:.0f}, prompt "
+              f"{percentile(r.prompt_during, 50) * 1e3:.0f} / "
+              f"{percentile(r.prompt_during, 99) * 1e3:.0f}; gap p99 "
+              f"{percentile(r.gaps_during, 99) / percentile(r.decode_during, 50):.1f}x")
     p99 = [percentile(r.gaps_during, 99) for r in results]
     print(f"\nnew / old: gap p99 {p99[1] / p99[0]:.3f}x, short request first token "
           f"{new.short_seconds / old.short_seconds:.3f}x, long "

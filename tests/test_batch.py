@@ -391,3 +391,54 @@ def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
             assert np.array_equal(np.array(logits[b]), expected), (step, b)
         done += n
     assert [c[0].offset for c in caches] == [len(t) + done for t in texts]
+
+
+def test_a_step_starts_the_next_tokens_before_it_reads_its_own(loaded, monkeypatch):
+    """The decode step is pipelined: the next tokens (and logprobs) of the sequences without
+    processors are handed to `mx.async_eval` before the step reads back the tokens it feeds
+    (so their graph runs while the host emits), a sequence with processors samples once its
+    token is known, and each sequence still emits its batch-1 tokens, stop token and
+    max_tokens included."""
+    model, tokenizer = loaded
+    events = []
+    real_async_eval, real_emit = mx.async_eval, BatchGenerator._emit_decoded
+
+    def spy_async_eval(*arrays):
+        flat = arrays[0] if len(arrays) == 1 and isinstance(arrays[0], list) else arrays
+        events.append(("async_eval", len(flat)))
+        return real_async_eval(*arrays)
+
+    def spy_emit(self, *args):
+        events.append(("emit",))
+        return real_emit(self, *args)
+
+    monkeypatch.setattr(mx, "async_eval", spy_async_eval)
+    monkeypatch.setattr(BatchGenerator, "_emit_decoded", spy_emit)
+    texts = prompts([3, 20, 9], seed=5)
+    stop = alone(model, tokenizer, texts[0], max_tokens=4)[2]  # reply 0's third token
+    seen = []
+
+    def processor(history, logits):
+        seen.append(int(history[-1].item()))  # the fed token's value: known when called
+        return logits
+
+    generator = BatchGenerator(model, stop_tokens=[stop], max_tokens=6, prefill_step_size=STEP)
+    uids = generator.insert(texts, logits_processors=[None, None, [processor]])
+    out, ahead_steps = {}, 0
+    while len(generator):
+        ahead = sum(1 for s in generator.decoding if s.token is not None
+                    and not s.processors and s.generated + 1 < s.max_tokens)
+        events.clear()
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r.token)
+        if ahead:  # the first thing after the forward is built: their next tokens start
+            assert events[:2] == [("async_eval", 2 * ahead), ("emit",)], events
+            ahead_steps += 1
+    assert ahead_steps >= 3
+    calls = list(seen)  # the batch's calls (the batch-1 runs below call it too)
+    for uid, text, procs in zip(uids, texts, [None, None, [processor]]):
+        want = alone(model, tokenizer, text, max_tokens=6, processors=procs)
+        assert out[uid] == (want[:want.index(stop) + 1] if stop in want else want), uid
+    # its first call saw the prompt's last token, each later one the reply's token before
+    assert len(calls) >= 2 and calls[0] == texts[2][-1]
+    assert calls[1:] == out[uids[2]][:len(calls) - 1]

@@ -206,6 +206,9 @@ def test_a_public_host_without_a_key_is_warned_in_one_line(tmp_path, capsys, mon
         assert cli.main(["--model", str(tmp_path / "none"), *flags]) == 1
         assert "warning" not in capsys.readouterr().err
     assert cli.is_loopback("127.0.0.2") and not cli.is_loopback("example.com")
+    monkeypatch.setenv("MLX_RANK", "1")  # mlx.launch's other ranks: rank 0 alone warns
+    assert cli.main(["--model", str(tmp_path / "none"), "--host", "0.0.0.0"]) == 1
+    assert "warning" not in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- loading

@@ -259,6 +259,10 @@ def test_union_members_are_not_named(live, body, param, words):
     (CHAT, {"tools": [{"type": "function", "function": {"name": ""}}]},
      "tools[0].function.name", "at least 1 character"),
     (CHAT, {"tools": [TOOL, TOOL]}, "tools[1].function.name", "another tool is named 'f'"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+     "tools[0].function.name", "'get weather' is not a tool name"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+     "tools[0].function.name", "at most 64 characters"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options is only allowed when stream is true"),
     (CHAT, {"n": 1.5}, "n", "valid integer"),
@@ -267,6 +271,8 @@ def test_union_members_are_not_named(live, body, param, words):
      "another tool is named 'f'"),
     (RESPONSES, {"input": "hi", "tools": [dict(FLAT_TOOL, name="")]}, "tools[0].name",
      "at least 1 character"),
+    (RESPONSES, {"input": "hi", "tools": [dict(FLAT_TOOL, name="a.b")]}, "tools[0].name",
+     "'a.b' is not a tool name"),
     (RESPONSES, {"input": "hi", "tools": [dict(FLAT_TOOL, parameters={"type": "array"})]},
      "tools[0].parameters", "type 'object'"),
 ])
@@ -279,9 +285,20 @@ def test_openai_rules(live, path, body, param, words):
 @pytest.mark.parametrize("tools, words", [
     ([ANTHROPIC_TOOL, ANTHROPIC_TOOL], "tools.1.name: another tool is named 'f'"),
     ([dict(ANTHROPIC_TOOL, name="")], "tools.0.name: String should have at least 1 character"),
+    ([dict(ANTHROPIC_TOOL, name="f<")], "tools.0.name: 'f<' is not a tool name"),
+    ([dict(ANTHROPIC_TOOL, name="f" * 129)], "tools.0.name: 'fff"),
 ])
 def test_anthropic_tool_names(live, tools, words):
     assert anthropic_message(live, COUNT, {"messages": HI, "tools": tools}).startswith(words)
+
+
+def test_the_longest_tool_names_each_api_allows_are_accepted(live):
+    """OpenAI's 64 characters; Anthropic's 128."""
+    tool = {"type": "function", "function": {"name": "a-Z_9" * 12 + "abcd"}}
+    assert post(live.port, CHAT, {"messages": HI, "max_tokens": 1, "tools": [tool]})[0] == 200
+    status, reply = post(live.port, COUNT, {"messages": HI, "tools": [
+        dict(ANTHROPIC_TOOL, name="x" * 128)]})
+    assert status == 200, reply
 
 
 def completion_text(live, **fields) -> str:

@@ -209,7 +209,7 @@ def main(argv: Optional[list] = None) -> int:
     from ..distributed.link import DistributedError
     from ..server.engine.ranks import Follower
 
-    if not keys and not is_loopback(args.host):
+    if not keys and not is_loopback(args.host) and launched_rank() == 0:
         print(f"mlx_v41.server: warning: --host {args.host} without an API key: anyone who "
               f"reaches port {args.port} can use the model (set --api-key or {KEY_ENV})",
               file=sys.stderr)
@@ -228,6 +228,16 @@ def main(argv: Optional[list] = None) -> int:
             logging.getLogger("mlx_v41.server").setLevel(logging.WARNING)
         return follow(app.state.engine)
     return serve(args, keys, app)
+
+
+def launched_rank() -> int:
+    """This process's rank as `mlx.launch` (or MPI) set it before any group starts: 0 when
+    launched alone (the rank that listens)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def is_loopback(host: str) -> bool:

@@ -3,8 +3,9 @@
 `BatchGenerator` is the incremental engine (mlx-lm's shape): `insert` prompts, call `next()`
 once per step, `remove` a finished or cancelled sequence. A step
 
-1. prefills queued prompts in paced pieces (`model.prefill.prefill_pieces`: chunks and CED
-   halo layers, the bits of a batch-1 prefill), the prompt with the least work left first,
+1. prefills queued prompts in paced pieces (`prompt_schedule.PromptSchedule` over
+   `model.prefill.prefill_pieces`: chunks and CED halo layers, the bits of a batch-1
+   prefill), the prompt with the least work left first,
    within the step's prompt budget (Sarathi-Serve's stall-free batching): while any sequence
    decodes, about one decode step's worth of prompt work (`PrefillPacer`), so a long prompt
    never stalls the replies already streaming and a short prompt behind it starts at once;
@@ -41,14 +42,14 @@ from ..cache.persistence import copy_cache
 from ..kernels.context import using
 from ..model.batch import batch_forward
 from ..model.expert_reader import ExpertReadError
-from ..model.prefill import prefill_pieces
 from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
 from .pacing import MIN_PREFILL_CHUNK, PrefillPacer
+from .prompt_schedule import PromptSchedule
 from .sequence import BatchSequence, BatchStats, RandomKey, Response, random_stream
 from .speculative import Speculation, check_draft_settings, model_drafter, verify_blocks
 
 
-class BatchGenerator:
+class BatchGenerator(PromptSchedule):
     """Continuous batching over one model (module docstring).
 
     Args:
@@ -74,6 +75,9 @@ class BatchGenerator:
         draft: "dspark" decodes speculatively (the model loaded with dspark=True; every
             sampler an `mlx_v41.Sampling`, greedy by default), with `num_draft_tokens` and
             `draft_confidence` as in `stream_generate`.
+        pipelined: start each step's next tokens before reading back the tokens it feeds
+            (default); False evaluates each step before it returns (the old step, the same
+            tokens).
     """
 
     def __init__(self, model, *, max_tokens: int = 128,
@@ -85,7 +89,7 @@ class BatchGenerator:
                  decode_prefill_budget="auto", min_prefill_chunk: int = MIN_PREFILL_CHUNK,
                  on_prefilled: Optional[Callable[[int, list], None]] = None,
                  draft: Optional[str] = None, num_draft_tokens: int = 5,
-                 draft_confidence: Optional[float] = None):
+                 draft_confidence: Optional[float] = None, pipelined: bool = True):
         for name, value in (("completion_batch_size", completion_batch_size),
                             ("prefill_batch_size", prefill_batch_size),
                             ("min_prefill_chunk", min_prefill_chunk)):
@@ -101,7 +105,7 @@ class BatchGenerator:
             raise ValueError(f"draft must be None or 'dspark', got {draft!r}")
         if draft:
             sampler = check_draft_settings(model, sampler, num_draft_tokens)
-        self.draft = draft
+        self.draft, self.pipelined = draft, pipelined
         self.drafter = model_drafter(model) if draft else None
         self.num_draft_tokens, self.draft_confidence = num_draft_tokens, draft_confidence
         self.model = model
@@ -116,6 +120,7 @@ class BatchGenerator:
         self.pacer = None if decode_prefill_budget is None else PrefillPacer(
             decode_prefill_budget, min_prefill_chunk, prefill_step_size or math.inf)
         self.step_budget = 0.0  # the last step's prompt budget (tokens; inf: no limit)
+        self._decode_seconds = None  # the last decode step's, for the pacer once complete
         self.on_prefilled = on_prefilled
         self.waiting: deque = deque()   # inserted, not yet prefilling
         self.prefilling: deque = deque()  # admission order (the old schedule's turns)
@@ -249,108 +254,13 @@ class BatchGenerator:
         responses = []
         with using(self.model.kernels):
             responses += self._admit()
+            if self.prefilling:  # the prompt's time is its own, not the decode in flight's
+                self._decode_done()
             responses += self._prefill()
             responses += self._speculate() if self.draft else self._decode()
         return responses
 
     # ------------------------------------------------------------------ the steps
-
-    def _admit(self) -> list:
-        """Start prefilling waiting prompts while there is room; a prompt the model refuses
-        (bad ids, images that do not fit) fails alone."""
-        responses = []
-        while self.waiting and len(self.prefilling) < self.prefill_batch_size and \
-                len(self.prefilling) + len(self.decoding) < self.completion_batch_size:
-            seq = self.waiting.popleft()
-            try:
-                seq.steps = prefill_pieces(self.model, seq.prompt, seq.cache,
-                                           step_size=self.prefill_step_size, images=seq.images,
-                                           progress=seq.progress)
-            except Exception as e:
-                responses += self._fail(seq, e)
-                continue
-            self.prefilling.append(seq)
-        return responses
-
-    def _prefill(self) -> list:
-        """Pieces of the prefilling prompts within the step's budget (`_budget`)."""
-        responses, tic, reading = [], time.perf_counter(), bool(self.prefilling)
-        if self.pacer is None:
-            self._round_robin(responses)
-        else:
-            work = self._shortest_first(responses)
-            self.pacer.prefilled(work, time.perf_counter() - tic)
-        if reading:  # a piece ran (halo pieces read no new tokens but count)
-            self.counters.prompt_time += time.perf_counter() - tic
-        return responses
-
-    def _budget(self) -> float:
-        """The step's prompt work: the pacer's while any sequence decodes, else
-        `prefill_budget` (one `prefill_step_size` chunk by default)."""
-        self.step_budget = self.pacer.budget() if self.decoding else \
-            self.prefill_budget or math.inf
-        return self.step_budget
-
-    def _shortest_first(self, responses: list) -> float:
-        """Pieces within the step's budget, the prompt with the least work left first; a
-        prompt whose next piece does not fit what is left waits (the step's first piece
-        always runs). A prompt that starts decoding makes an idle step's budget the pacer's."""
-        spent = 0.0
-        for seq in sorted(self.prefilling, key=lambda s: s.steps.pace.left):
-            while seq.steps is not None:
-                room = self._budget() - spent
-                if spent and not self._fits(seq, room):
-                    break
-                spent += self._piece(seq, room, responses)
-        return spent
-
-    def _fits(self, seq, room: float) -> bool:
-        """Whether the prompt's next piece is worth starting in `room`: a halo piece whole, a
-        chunk of `min_prefill_chunk` rows (or what the prompt has left)."""
-        pace = seq.steps.pace
-        least = pace.next if pace.in_halo else min(pace.next, self.pacer.min_chunk)
-        return room > 0 and least <= room
-
-    def _round_robin(self, responses: list) -> float:
-        """The old schedule: `prefill_step_size` chunks in turn, the halo in one piece, until
-        `prefill_budget` prompt tokens."""
-        spent, self.step_budget = 0, self.prefill_budget or math.inf
-        while self.prefilling and (spent == 0 or spent < self.prefill_budget):
-            seq = self.prefilling.popleft()
-            self.prefilling.append(seq)  # to the back of the queue
-            before = seq.prefilled
-            self._piece(seq, math.inf, responses)
-            spent += max(seq.prefilled - before, 0)
-        return spent
-
-    def _piece(self, seq, allowance: float, responses: list) -> float:
-        """Run one piece of the sequence's prompt; its work. The prompt in, it starts
-        decoding; a failure (the prompt, or its first sample: a processor) fails it alone."""
-        pace, before = seq.steps.pace, seq.prefilled
-        try:
-            output = self._run_piece(seq, allowance)
-            if output is not None:
-                seq.steps = None
-                self.prefilling.remove(seq)
-                self._start_decoding(seq, output.logits)
-        except Exception as e:
-            seq.steps = None
-            responses += self._fail(seq, e)
-        self.counters.prompt_tokens += max(seq.prefilled - before, 0)
-        return pace.done
-
-    def _run_piece(self, seq, allowance: float):
-        """`Pieces.run`; interrupted (Ctrl-C), the prompt's cache is back as before the
-        prompt, so it waits at the front of the queue to be read again from its start."""
-        try:
-            return seq.steps.run(allowance)
-        except Exception:
-            raise
-        except BaseException:
-            seq.steps, seq.prefilled = None, 0
-            self.prefilling.remove(seq)
-            self.waiting.appendleft(seq)
-            raise
 
     def _start_decoding(self, seq, logits) -> None:
         """The prompt is in: sample its first token; the sequence joins the decode batch."""
@@ -381,6 +291,11 @@ class BatchGenerator:
 
     def _sample(self, seq, logits) -> None:
         """Sample the next token from `logits` [1, V] as `generate_step` does."""
+        seq.token, seq.logprobs = self._draw(seq, logits)
+
+    def _draw(self, seq, logits) -> tuple:
+        """(token [1], logprobs [V]) sampled from `logits` [1, V] with the sequence's
+        processors, sampler and random stream (lazy: nothing is evaluated)."""
         for processor in seq.processors:
             logits = processor(seq.history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -388,10 +303,11 @@ class BatchGenerator:
             token = seq.sampler(logprobs)
         if seq.processors:
             seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
-        seq.token, seq.logprobs = token, logprobs[0]
+        return token, logprobs[0]
 
     def _decode(self) -> list:
-        """Feed every decoding sequence's token in one forward, emit it, sample the next."""
+        """Feed every decoding sequence's token in one forward, emit it, sample the next:
+        pipelined (`_sample_ahead`), so the next step's graph is built while this one runs."""
         batch = [s for s in self.decoding if s.token is not None]
         responses = [self._finish(s) for s in
                      [s for s in self.decoding if s.token is None]]
@@ -407,27 +323,63 @@ class BatchGenerator:
                     parts.append(([seq], self._forward([seq])))
                 except ExpertReadError as e:
                     responses += self._fail(seq, e)
+        ahead = self._sample_ahead(parts) if self.pipelined else {}
         for part, logits in parts:
-            responses += self._emit_decoded(part, logits)
+            responses += self._emit_decoded(part, logits, ahead)
         decoded = [s for part, _ in parts for s in part]
-        mx.eval([s.token for s in decoded if s.finish_reason is None and s.token is not None])
+        start = mx.async_eval if self.pipelined else mx.eval
+        start([x for s in decoded if s.finish_reason is None and s.token is not None
+               for x in (s.token, s.logprobs)])
         self.counters.generation_tokens += len(decoded)
         self._timed_decode(tic)
         return responses
 
+    def _sample_ahead(self, parts: list) -> dict:
+        """{id(sequence): (token, logprobs)} of the next tokens that need no value of this step's:
+        every sequence without logits processors whose fed token is not its last, sampled
+        from the forward's graph and started at once (`mx.async_eval`, as `generate_step`
+        pipelines), before this step's tokens are read back. A sequence whose token turns
+        out to be a stop token drops its sample (an unseeded one has drawn from the global
+        stream); one with processors samples once its token is known (they read it)."""
+        ahead = {}
+        for part, logits in parts:
+            for b, seq in enumerate(part):
+                if seq.processors or seq.generated + 1 >= seq.max_tokens:
+                    continue
+                try:
+                    ahead[id(seq)] = self._draw(seq, logits[b:b + 1, -1, :])
+                except Exception:  # sampled again (and failed alone) once its token is read
+                    continue
+        mx.async_eval([x for drawn in ahead.values() for x in drawn])
+        return ahead
+
     def _timed_decode(self, tic: float) -> None:
-        """Count a decode step's time (and give it to the pacer)."""
+        """Count a decode step's time; the pacer gets it with the wait for its forward
+        (`_decode_done`) at the next step's start."""
         seconds = time.perf_counter() - tic
         self.counters.generation_time += seconds
         if self.pacer is not None:
-            self.pacer.decoded(seconds)
+            if self._decode_seconds is not None:  # the step before's, now complete
+                self.pacer.decoded(self._decode_seconds)
+            self._decode_seconds = seconds
+
+    def _decode_done(self) -> None:
+        """Wait for the decode step in flight (the next tokens being computed), counted as
+        decode time."""
+        tic = time.perf_counter()
+        mx.eval([x for s in self.decoding if s.token is not None for x in (s.token, s.logprobs)])
+        seconds = time.perf_counter() - tic
+        self.counters.generation_time += seconds
+        self._decode_seconds = None if self._decode_seconds is None else \
+            self._decode_seconds + seconds
 
     def _forward(self, batch: list) -> mx.array:
         ids = mx.concatenate([s.token.reshape(1, 1) for s in batch], axis=0)
         return batch_forward(self.model, ids, [s.cache for s in batch]).logits
 
-    def _emit_decoded(self, batch: list, logits: mx.array) -> list:
-        """Emit each sequence's fed token and sample its next from its row of `logits`."""
+    def _emit_decoded(self, batch: list, logits: mx.array, ahead: dict) -> list:
+        """Emit each sequence's fed token and take its next: sampled ahead, or sampled now
+        from its row of `logits`."""
         responses = []
         for b, seq in enumerate(batch):
             token = seq.token.item()
@@ -439,7 +391,10 @@ class BatchGenerator:
             response = Response(seq.uid, token, seq.logprobs)
             if seq.finish_reason is None:
                 try:
-                    self._sample(seq, logits[b:b + 1, -1, :])
+                    if id(seq) in ahead:
+                        seq.token, seq.logprobs = ahead[id(seq)]
+                    else:
+                        self._sample(seq, logits[b:b + 1, -1, :])
                 except Exception as e:  # a processor or sampler that raises
                     responses.append(response)
                     responses += self._fail(seq, e)

@@ -40,7 +40,8 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]
             cache, generated ids (the stop token not included) and their log-probabilities.
         kwargs: `BatchGenerator` settings (`sampler`, `logits_processors`,
             `completion_batch_size`, `prefill_batch_size`, `prefill_step_size`,
-            `prefill_budget`, `decode_prefill_budget`, `min_prefill_chunk`, `draft`,
+            `prefill_budget`, `decode_prefill_budget` (default None here: whole chunks,
+            as nothing streams), `min_prefill_chunk`, `draft`,
             `num_draft_tokens`, `draft_confidence`); `seeds`
             (one per prompt, as `insert`'s) and `images` (per
             prompt: None or the images of its placeholders, as `stream_generate`'s).
@@ -50,6 +51,9 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[Sequence[int], str]
     """
     from ..model.vision.prompt import prepare_prompt
 
+    # every prompt is known at once and no reply streams to anyone: read prompts in whole
+    # chunks (the pacing that keeps replies flowing would only slow the batch down)
+    kwargs.setdefault("decode_prefill_budget", None)
     seeds = kwargs.pop("seeds", None)
     images = kwargs.pop("images", None) or [None] * len(prompts)
     generator = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, **kwargs)

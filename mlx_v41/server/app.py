@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 # mlx-lm first: it silences transformers' advisory warnings ("PyTorch was not found") before
 # the constraints' llguidance imports transformers.
@@ -17,13 +17,15 @@ import mlx_lm  # noqa: F401
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from .anthropic import routes as anthropic_routes
 from .auth import add_cors, add_keys
 from .engine import Engine, EngineBusy, EngineClosed
-from .errors import RequestError, error_body
+from .bodies import ERROR_STATUSES
+from .errors import ErrorBody, RequestError, error_body
 from .openai import routes as openai_routes
 from .responses import routes as responses_routes
 from .metrics import RequestMetrics, ServerMetrics
@@ -192,20 +194,46 @@ def _add_metrics(app: FastAPI, engine: Engine) -> None:
     app.state.metrics = engine.observer = ServerMetrics(engine)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus' text format",
+              "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+        **GET_ERRORS})
     async def metrics():
         return PlainTextResponse(app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+class Health(BaseModel):
+    status: Literal["ok", "loading", "draining"]
+    model: Optional[str] = None  # when "ok"
+
+
+class ModelEntry(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelEntry]
+
+
+# what a GET route behind the key check and the drain may answer besides its reply
+GET_ERRORS = {status: {"model": ErrorBody, "description": ERROR_STATUSES[status]}
+              for status in (401, 503)}
+
+
 def _add_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={
+        503: {"model": Health, "description": "loading, or draining before a stop"}})
     async def health():
         phase = app.state.lifecycle.phase
         if phase != READY:  # draining: a load balancer sends new requests elsewhere
             return JSONResponse({"status": phase}, status_code=503)
         return {"status": "ok", "model": app.state.config.model_id}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=GET_ERRORS)
     async def models():
         entry = {"id": app.state.config.model_id, "object": "model", "created": 0,
                  "owned_by": "mlx_v41"}

@@ -7,6 +7,7 @@ declarations of a route's bodies (`json_body`, `documented`).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Optional
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
@@ -152,11 +153,20 @@ def _check_string(text: str, where: str, what: str, chat: bool) -> None:
                            param=where or None)
 
 
-def check_tool_names(names: list, where) -> None:
-    """A request's tools have distinct names (the reply names the tool it calls); `where(k)`
-    is the location of tool k's name."""
+OPENAI_TOOL_NAME = 64  # OpenAI: letters, digits, _ and -, at most 64 characters
+ANTHROPIC_TOOL_NAME = 128  # Anthropic: the same characters, at most 128
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_tool_names(names: list, where, longest: int = OPENAI_TOOL_NAME) -> None:
+    """A request's tools have distinct names (the reply names the tool it calls) made of
+    letters, digits, `_` and `-`, at most `longest` of them (the API's rule); `where(k)` is
+    the location of tool k's name."""
     seen = set()
     for k, name in enumerate(names):
+        if not (_TOOL_NAME.fullmatch(name) and len(name) <= longest):
+            raise RequestError(f"{where(k)}: {name!r} is not a tool name: use letters, digits, "
+                               f"'_' and '-', at most {longest} characters", param=where(k))
         if name in seen:
             raise RequestError(f"{where(k)}: another tool is named {name!r} too", param=where(k))
         seen.add(name)

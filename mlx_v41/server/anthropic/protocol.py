@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, model_validator
 
-from ..bodies import ContentPart, Seed, StrictBody, check_tool_names, parse, whole_number
+from ..bodies import (ANTHROPIC_TOOL_NAME, ContentPart, Seed, StrictBody, check_tool_names, parse,
+                      whole_number)
 from ..errors import RequestError
 from ..images import ImageReader
 
@@ -165,7 +166,8 @@ def parse_request(model_class, body):
             raise RequestError(f"messages.{k}.content: all messages must have non-empty "
                                "content except for the optional final assistant message",
                                param=f"messages.{k}.content")
-    check_tool_names([tool.name for tool in request.tools or ()], lambda k: f"tools.{k}.name")
+    check_tool_names([tool.name for tool in request.tools or ()], lambda k: f"tools.{k}.name",
+                     ANTHROPIC_TOOL_NAME)
     if isinstance(request, MessagesRequest):
         _check_budget(request)
     return request

@@ -25,7 +25,13 @@ counted; a `Compiled...` node (an `mx.compile` fusion) is one launch. Per layer 
 layers. The graph nodes with the views are printed too: on MLX's CPU backend every node, a view
 included, costs a few microseconds of scheduling.
 
+With --batch B...: launches of one batched decode step (`batch_forward`) at each B, on the
+Metal path (the counting factory's kernels) and the ops path, for B sequences whose windows
+are full (lengths from the window to --prompt) and for a mix with windows still filling
+(lengths from 1).
+
     python -m benchmarks.bench_graph [--prompt 256 --window 32 --index-topk 128 --top 12]
+    python -m benchmarks.bench_graph --batch 1 8 32
 """
 
 from __future__ import annotations
@@ -134,12 +140,61 @@ def measure(name: str, load, ids: mx.array, token: mx.array, layers: int, top: i
     return total
 
 
+def batch_launches(folder: Path, path: str, sizes: list, lengths: list, rng) -> dict:
+    """Launches of one batched decode step (`batch_forward`) of the first B sequences, per B:
+    each sequence prefilled alone to its length first (the cache arrays the step writes are
+    counted with its logits)."""
+    import mlx_v41
+    from mlx_v41.model.batch import batch_forward
+
+    call, make_cache = load_ours(folder, path)
+    model = make_cache.__self__  # the loaded model (its bound make_cache)
+    caches = []
+    for length in lengths[:max(sizes)]:
+        ids = mx.array(rng.integers(3, VOCAB, (1, length)), dtype=mx.int32)
+        caches.append(prefill(call, make_cache, ids, 512))
+    out = {}
+    for b in sizes:
+        step = [mlx_v41.copy_cache(c) for c in caches[:b]]
+        ids = mx.array(rng.integers(3, VOCAB, (b, 1)), dtype=mx.int32)
+        logits = batch_forward(model, ids, step).logits
+        out[b] = sum(launches(graph_counts([logits, *[a for c in step
+                                                          for a in cache_arrays(c)]])).values())
+    return out
+
+
+def batch_table(folder: Path, sizes: list, window: int, prompt: int, paths: tuple) -> None:
+    """Launches per batched step at each B, Metal path and ops path, for sequences whose
+    windows are all full and for a mix with windows still filling."""
+    rng = np.random.default_rng(1)
+    full = [int(x) for x in np.linspace(window, prompt, max(sizes))]
+    mixed = [int(x) for x in np.linspace(1, prompt, max(sizes))]  # some below the window
+    print(f"\nlaunches per batched decode step (one `batch_forward`), window {window}:")
+    print("| sequences | path | " + " | ".join(f"B = {b}" for b in sizes) +
+          " | " + " | ".join(f"B = {b} / B = 1" for b in sizes if b > 1) + " |")
+    print("|---|---|" + "---|" * (2 * len(sizes) - 1))
+    for name, lengths in ((f"windows full ({full[0]}-{full[-1]} tokens)", full),
+                          (f"mixed ({mixed[0]}-{mixed[-1]} tokens, "
+                           f"{sum(n < window for n in mixed[:max(sizes)])} filling)", mixed)):
+        for path in paths:
+            counts = batch_launches(folder, path, sizes, lengths, rng)
+            ratios = [f"{counts[b] / counts[sizes[0]]:.2f}x" for b in sizes if b > 1]
+            print(f"| {name} | {path} | " + " | ".join(f"{counts[b]:,}" for b in sizes) +
+                  " | " + " | ".join(ratios) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens before the step")
     parser.add_argument("--window", type=int, default=32, help="sliding_window (published 128)")
     parser.add_argument("--index-topk", type=int, default=128, help="index_topk (published 512)")
     parser.add_argument("--top", type=int, default=12, help="primitives listed per model")
+    parser.add_argument("--stack-on-ops-only", action="store_true",
+                        help="with --batch: the Metal path as before the kernels took per-row "
+                        "positions (each sequence attends alone where a kernel runs)")
+    parser.add_argument("--batch", type=int, nargs="+", metavar="B",
+                        help="instead, launches per batched decode step at these B (the first "
+                        "1), e.g. 1 8 32")
     args = parser.parse_args()
     config = {**schedule_text_config(), **PUBLISHED_POOL, "vocab_size": VOCAB,
               "sliding_window": args.window, "index_topk": args.index_topk}
@@ -149,6 +204,12 @@ def main() -> None:
     layers = config["num_hidden_layers"]
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), config, engram=False)
+        if args.batch:
+            from mlx_v41.model.attention import Attention
+
+            Attention.stack_on_ops_only = args.stack_on_ops_only
+            paths = ("metal",) if args.stack_on_ops_only else ("metal", "ops")
+            return batch_table(Path(tmp), args.batch, args.window, args.prompt, paths)
         print(f"one decode step after {args.prompt} prompt tokens, {layers} layers, "
               f"mlx {mx.__version__}")
         ours = measure("mlx_v41 (ops)", lambda: load_ours(Path(tmp), "ops"), ids, token,

@@ -7,7 +7,10 @@
 // width is even and above LEAF (its PAIRWISE_LEAF), then the remaining partial sums in
 // sequence): thread t holds channels t + k * THREADS, so the first halvings pair its own
 // registers, the next run in threadgroup memory. R > 0: RoPE (rope.RoPE, interleaved pairs)
-// on the last R channels with rope_cos / rope_sin [S, R / 2] of row % S, rounded to bf16.
+// on the last R channels, rounded to bf16, with rope_cos / rope_sin [T, R / 2] of table row
+// row % T: T = S, the S rows' angles shared by every batch row (row b * S + s reads row s), or
+// T = B * S, each batch row's own from its first position (rope_products.angles_of: row
+// b * S + s reads row b * S + s).
 // Outputs, each written when its flag is set (else a one-element buffer, zeroed): y (WY)
 // bf16, y32 (WY32) its fp32 copy, q8 (WQ) its act_fp8 quantise-dequantise in Q, per 32
 // channels: one simdgroup holds one block of 32 channels in each register, so its amax is a
@@ -67,6 +70,8 @@ for (int k = 0; k < PER; ++k) {
 
 if (R > 0) {
   // Pair (re, im) = channels (2i, 2i + 1): lanes of one simdgroup (THREADS is a multiple of 32).
+  // Each thread turns its channels by the angles of this token row's table row (T = S: its
+  // position in the shared rows; T = B * S: its own batch row's).
   int crow = row % int(rope_cos_shape[0]);
   for (int k = 0; k < PER; ++k) {
     int c = int(tid) + k * THREADS;

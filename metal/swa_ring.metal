@@ -1,6 +1,7 @@
 // Sliding-window ring update: out = ring with the act_fp8-rounded rows [B, S, D] written at slots
-// (offset + i) % R; only the last min(S, R) rows land (an earlier row's slot is overwritten by a
-// later one). Two ring formats (template PACKED):
+// (positions[b] + i) % R, positions [B] int32 the first position of batch row b's rows (the same
+// value in every entry for one shared offset); only the last min(S, R) rows land (an earlier
+// row's slot is overwritten by a later one). Two ring formats (template PACKED):
 //   false: ring [B, R, D] of T values, a kept row becomes its QDQ value E4M3(x / s) * s;
 //   true:  ring [B, R, D + D/32] uint8 rows: D E4M3 codes, then D/32 E8M0 bytes.
 // One thread per (row, channel); D % 32 == 0, so a simdgroup covers exactly one 32-channel
@@ -15,9 +16,10 @@ uint slot = (tid / width) % slots;
 uint channel = tid % width;
 uint dst = (batch * slots + slot) * row_bytes;
 bool writes_scale = PACKED && channel % 32 == 0;
+uint offset = uint(positions[batch]);  // this batch row's position of rows[batch, 0]
 uint first = count - min(count, slots);  // first row that survives
 // The surviving row i in [first, count) with (offset + i) % R == slot, if any.
-uint i = first + (slot + slots - (uint(offset) + first) % slots) % slots;
+uint i = first + (slot + slots - (offset + first) % slots) % slots;
 if (i < count) {
   float v = float(rows[(batch * count + i) * width + channel]);
   int e = v41_act_fp8_exponent(simd_max(fabs(v)));

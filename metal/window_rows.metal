@@ -1,6 +1,7 @@
-// Window rows of one attention call: out [B, K, D] bf16 = rows [count, count + S) of the
-// concatenation (the ring's decoded rows of positions position - count .. position - 1, then the
-// call's new rows [B, S, D]), from its row `skip` on (K = count + S - skip).
+// Window rows of one attention call: out [B, K, D] bf16 = per batch row b, the concatenation (the
+// ring's decoded rows of positions p - count .. p - 1, then the call's new rows [B, S, D]) from
+// its row `skip` on (K = count + S - skip); p = positions[b], positions [B] int32 the position
+// of batch row b's rows[b, 0] (the same value in every entry for one shared position).
 // ring [B, R, D + D/32] uint8 is the packed window ring (slot = position mod R): per row D E4M3
 // codes, then D/32 E8M0 scale bytes (swa_ring.metal writes it). Decoding is E4M3 x 2^(b - 127)
 // in fp32, then bf16: exact, so the values equal the ops' (take, unpack, concatenate, slice).
@@ -15,8 +16,9 @@ uint kept = older + fresh - uint(skip);
 uint batch = tid / (kept * width);
 uint row = (tid / width) % kept + uint(skip);  // row of the concatenation
 uint channel = tid % width;
+uint position = uint(positions[batch]);  // this batch row's position of rows[batch, 0]
 if (row < older) {
-  uint slot = (uint(position) - older + row) % slots;
+  uint slot = (position - older + row) % slots;  // ring slot of position p - count + row
   uint src = (batch * slots + slot) * row_bytes;
   float scale = prep_e8m0_to_float(uint(ring[src + width + channel / 32]));
   out[tid] = bfloat16_t(v41_e4m3_to_float(uint(ring[src + channel])) * scale);

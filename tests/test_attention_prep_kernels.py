@@ -21,9 +21,11 @@ from mlx_v41.kernels.index_queries import (CHECK_TOLERANCE as INDEX_TOLERANCE, I
 from mlx_v41.kernels.rope_products import (CHECK_TOLERANCE as ROPE_TOLERANCE, ROPE_PRODUCTS,
                                            rope_products, rope_products_ops)
 from mlx_v41.kernels.swa_ring import swa_ring_update_ops
-from mlx_v41.kernels.window_rows import WINDOW_ROWS, window_rows, window_rows_ops
+from mlx_v41.kernels.window_rows import (WINDOW_ROWS, stacked_window_rows_ops, window_rows,
+                                        window_rows_ops)
 from mlx_v41.numerics.rope import RoPE
-from tests.kernel_faults import checked, not_compiling, sim, warnings_of, zeros
+from tests.kernel_faults import (checked, not_compiling, returning, sim, warnings_of,
+                                zeros)
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
@@ -80,6 +82,99 @@ def test_window_rows_dispatcher():
     assert window_rows(ring, rows.astype(mx.float32), 4, 2, run=never).dtype == mx.float32
     with pytest.raises(ValueError, match="cannot read 5 ring rows before position 4"):
         window_rows(ring, rows, 4, 5)
+
+
+def _filled_ring(rng, batch, capacity, width) -> mx.array:
+    """A packed ring [B, R, D + D/32] whose every slot holds a row of `_window_values` (a
+    different one in each batch row and slot)."""
+    values = mx.array(_window_values(rng, (batch, capacity, width)).astype(np.float32))
+    return swa_ring_update_ops(mx.zeros((batch, capacity, width * 33 // 32), mx.uint8),
+                               values.astype(mx.bfloat16), 0)
+
+
+# B rows, each at its own position: before the ring has wrapped, across its end, far beyond
+# (several ring lengths); decode (S = 1) and chunks, S == R; count 0 and count = the least
+# min(position, R) over the rows.
+MIXED_WINDOW_CASES = [
+    (8, 64, 1, (5,), 5, 0),                      # B = 1, count = position
+    (8, 64, 1, (3, 7), 3, 0),                    # decode before the wrap, count = min
+    (8, 32, 3, (9, 4, 17), 4, 2),                # across the end, before the wrap; skip
+    (8, 64, 2, (8, 30, 100, 0), 0, 0),           # count 0 (position 0 too): the new rows only
+    (16, 96, 1, (16, 50, 16 * 6 + 5, 31, 20), 15, 0),  # B = 5 decode (window 16), far beyond
+    (8, 32, 8, (8, 9, 40, 13, 70), 8, 3),        # S == R, count = R
+    (8, 64, 3, (2, 9, 5), 2, 4),                 # count = min, skip into the new rows
+]
+
+
+@pytest.mark.parametrize("capacity,width,fresh,positions,count,skip", MIXED_WINDOW_CASES)
+def test_window_rows_mixed_rows_bit_for_bit(capacity, width, fresh, positions, count, skip):
+    """Batch rows at their own positions in one launch (races and coverage checked): the bits
+    of the stacked ops, and row b those of a batch-1 call at positions[b]."""
+    batch = len(positions)
+    rng = np.random.default_rng(sum(positions) + count)
+    ring = _filled_ring(rng, batch, capacity, width)
+    rows = mx.array(_window_values(rng, (batch, fresh, width)).astype(np.float32))
+    rows = rows.astype(mx.bfloat16)
+    run = WINDOW_ROWS.build(checked)
+    got = run(ring, rows, positions, count, skip)  # the kernel itself, count 0 included
+    assert got.shape == (batch, count + fresh - skip, width)
+    stacked = stacked_window_rows_ops(ring, rows, positions, count) if count else rows
+    _same_bits(got, stacked[:, skip:])
+    _same_bits(got, window_rows_ops(ring, rows, positions, count, skip))
+    each = [window_rows_ops(ring[b:b + 1], rows[b:b + 1], p, count, skip)
+            for b, p in enumerate(positions)]
+    _same_bits(got, mx.concatenate(each))
+    for given in (positions, list(positions), mx.array(positions, mx.int32),
+                  mx.array(positions, mx.int64)):  # the dispatcher, any form of the positions
+        _same_bits(window_rows(ring, rows, given, count, skip, run=run), got)
+    if skip < count and len(set(positions)) > 1:  # row 0's position for all: other bits
+        assert not mx.array_equal(got, window_rows_ops(ring, rows, positions[0], count,
+                                                       skip)).item()
+
+
+def test_window_rows_per_row_dispatcher():
+    """Per-row positions without the kernel: the stacked ops; with one: a single launch; count
+    0: the new rows' slice, no launch; bad per-row input: a one-line ValueError naming the
+    problem."""
+    rng = np.random.default_rng(11)
+    ring = _filled_ring(rng, 3, 8, 64)
+    rows = mx.array(_window_values(rng, (3, 2, 64)).astype(np.float32)).astype(mx.bfloat16)
+    positions = (6, 3, 29)
+    want = stacked_window_rows_ops(ring, rows, positions, 3)[:, 1:]
+    for given in (positions, list(positions), mx.array(positions, mx.int64)):
+        _same_bits(window_rows(ring, rows, given, 3, 1, use_kernel=False), want)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2])
+        return WINDOW_ROWS.build(sim)(*args)
+
+    _same_bits(window_rows(ring, rows, mx.array(positions), 3, 1, run=counted), want)
+    assert calls == [positions]
+
+    def never(*_):
+        raise AssertionError("launched")
+
+    assert mx.array_equal(window_rows(ring, rows, positions, 0, 1, run=never),
+                          rows[:, 1:]).item()
+    wide = window_rows(ring, rows.astype(mx.float32), positions, 3, run=never)
+    assert mx.array_equal(wide, stacked_window_rows_ops(ring, rows.astype(mx.float32),
+                                                        positions, 3)).item()
+    for bad, count, problem in [((6, 3), 2, "2 positions for 3 batch rows"),
+                                ((6, -1, 29), 0, "position -1 of row 1"),
+                                ((6, 3, 29), 4, "cannot read 4 ring rows before position 3 "
+                                                "of row 1"),
+                                ((20, 30, 40), 9, "position 20 of row 0 \\(a ring of 8"),
+                                (mx.array([1.0, 2.0, 3.0]), 0, "int32 or int64 array")]:
+        with pytest.raises(ValueError, match=problem) as error:
+            window_rows(ring, rows, bad, count, use_kernel=False)
+        assert "\n" not in str(error.value)
+
+
+def test_window_rows_self_check_passes_in_the_simulator():
+    """The self-check (an int and a two-row per-row call) keeps the simulated kernel."""
+    run, messages = warnings_of(WINDOW_ROWS.build_checked, checked)
+    assert run is not window_rows_ops and not messages, messages
 
 
 def _products(rng, shape, rotated: int, tiny: bool = True) -> np.ndarray:
@@ -161,6 +256,89 @@ def test_dispatchers_keep_the_ops_where_the_kernels_do_not_apply():
     x = mx.ones((1, 2, 2, 32))
     assert mx.array_equal(rope_products(x, rope, mx.arange(2), use_kernel=False),
                           rope_products_ops(x, rope, mx.arange(2))).item()
+
+
+# Batch rows each from its own first position (row b at first[b] .. first[b] + S - 1): B 1 to
+# 5, first positions 0, small and beyond YaRN's original 65536, S = 1 (decode) and S > 1.
+ROW_CASES = [(1, (0,)), (1, (70001,)), (3, (0, 7, 70001)), (2, (65535, 3)), (3, (131075, 0, 9)),
+             (2, (5, 100000)), (5, (0, 1, 65536, 65540, 12)), (5, (99999, 0, 0, 4, 200000))]
+ROW_FORMS = {"tuple": tuple, "list": list,
+             "array": lambda firsts: mx.array(firsts, dtype=mx.int32)[:, None]}
+
+
+def _counting(factory, calls: list):
+    """`factory`'s kernels, each launch appended to `calls`."""
+    def count(outputs):
+        calls.append(1)
+        return outputs
+    return returning(count, factory, "counting")
+
+
+def _per_row_matches(dispatcher, ops, spec, x, rope, firsts, form, tolerance):
+    """`dispatcher` at per-row `firsts` (as `form`) in one launch: within `tolerance` of the ops
+    at the tuple, and the ops' bits (the simulator rounds every product); each row b the bits
+    of a batch-1 kernel call at first[b]."""
+    calls = []
+    got = dispatcher(x, rope, ROW_FORMS[form](firsts), run=spec.build(_counting(checked, calls)))
+    assert len(calls) == 1
+    want = ops(x, rope, firsts)
+    error = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert error <= tolerance * mx.abs(want.astype(mx.float32)).max().item()
+    _same_bits(got, want)
+    run = spec.build(checked)
+    for b, first in enumerate(firsts):
+        _same_bits(got[b:b + 1], dispatcher(x[b:b + 1], rope, first, run=run))
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("rows,firsts", ROW_CASES)
+def test_rope_products_kernel_per_row_positions(rows, firsts, length):
+    rng = np.random.default_rng(rows * 10 + length)
+    x = mx.array(_products(rng, (rows, length, 3, 64), 32))
+    form = ("tuple", "list", "array")[(rows + length) % 3]
+    _per_row_matches(rope_products, rope_products_ops, ROPE_PRODUCTS, x,
+                     RoPE(32, 160000.0, YARN), firsts, form, ROPE_TOLERANCE)
+
+
+@pytest.mark.parametrize("length", [1, 2])
+@pytest.mark.parametrize("rows,firsts", ROW_CASES)
+def test_index_queries_kernel_per_row_positions(rows, firsts, length):
+    rng = np.random.default_rng(rows * 10 + length + 1)
+    x = mx.array(_products(rng, (rows, length, 3, 64), 16))
+    form = ("array", "tuple", "list")[(rows + length) % 3]
+    _per_row_matches(index_queries, index_queries_ops, INDEX_QUERIES, x,
+                     RoPE(16, 160000.0, YARN), firsts, form, INDEX_TOLERANCE)
+
+
+@pytest.mark.parametrize("form", sorted(ROW_FORMS))
+def test_per_row_positions_every_form(form):
+    """A tuple, a list and a [B, 1] array of first positions give the same bits, through the
+    kernels and with `use_kernel=False` (the ops at the tuple)."""
+    rng = np.random.default_rng(4)
+    x = mx.array(_products(rng, (3, 2, 3, 64), 32))
+    rope, firsts = RoPE(32, 160000.0, YARN), (70000, 0, 11)
+    for dispatcher, ops, spec in ((rope_products, rope_products_ops, ROPE_PRODUCTS),
+                                  (index_queries, index_queries_ops, INDEX_QUERIES)):
+        want = ops(x, rope, firsts)
+        _same_bits(dispatcher(x, rope, ROW_FORMS[form](firsts), run=spec.build(sim)), want)
+        _same_bits(dispatcher(x, rope, ROW_FORMS[form](firsts), use_kernel=False), want)
+        _same_bits(ops(x, rope, ROW_FORMS[form](firsts)), want)
+
+
+def test_per_row_positions_of_the_wrong_count_raise():
+    """Per-row positions that are not one first position per batch row: one line naming them."""
+    x, rope = mx.ones((2, 1, 3, 64)), RoPE(16, 10000.0)
+    for dispatcher, spec in ((rope_products, ROPE_PRODUCTS), (index_queries, INDEX_QUERIES)):
+        name = spec.field
+        for run in (spec.build(sim), None):
+            with pytest.raises(ValueError, match=f"^{name}: positions holds 3 first positions "
+                                                 "for 2 batch rows$"):
+                dispatcher(x, rope, (1, 2, 3), run=run)
+            with pytest.raises(ValueError, match=rf"^{name}: per-row positions must be an "
+                                                 r"integer array \[2, 1\]"):
+                dispatcher(x, rope, mx.array([[1], [2], [3]]), run=run)
+        with pytest.raises(ValueError, match=r"^[^\n]*$"):
+            dispatcher(x, rope, [4], use_kernel=False)
 
 
 @pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),

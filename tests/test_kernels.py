@@ -242,6 +242,115 @@ def test_swa_ring_decode_loop_races_and_coverage(ring_dtype):
         np.testing.assert_array_equal(bits(row), bits(rounded[:, pos]))
 
 
+def _mixed_rows(batch, length, width, dtype, seed):
+    """[B, S, D] rows of the act_fp8 groups of `ring_groups`, a different draw per batch row."""
+    groups = ring_groups(seed)
+    pick = rng(seed).integers(0, len(groups), (batch, length, width // 32))
+    return mx.array(groups[pick].reshape(batch, length, width)).astype(dtype)
+
+
+def _ring_bytes(ring: mx.array) -> np.ndarray:
+    return np.array(ring.view(mx.uint8))
+
+
+# B rows, each at its own first position: 0, before the ring has wrapped, across its end, far
+# beyond (several ring lengths); decode (S = 1), chunks, S == R and S > R.
+MIXED_RING_CASES = [
+    (8, 64, 1, (0,)),                     # B = 1, decode at position 0
+    (8, 64, 1, (0, 5)),                   # decode: the first write, and before the wrap
+    (8, 32, 3, (0, 6, 13)),               # a chunk at 0, one across the end, one wrapped
+    (8, 64, 8, (0, 3, 8, 41)),            # S == R: every slot written, each row's own slots
+    (16, 96, 1, (15, 2, 16 * 5 + 3, 31, 0)),  # B = 5 decode, a wrap, far beyond
+    (8, 32, 5, (7, 100, 0, 250, 12)),     # B = 5 chunks, far beyond, across the end
+    (8, 32, 11, (3, 30)),                 # S > R: only the last R rows of each row land
+]
+
+
+@pytest.mark.parametrize("capacity, width, length, positions", MIXED_RING_CASES)
+def test_swa_ring_update_mixed_rows_bit_exact(capacity, width, length, positions):
+    """Batch rows at their own positions in one launch (races and coverage checked): the bytes
+    of the stacked ops, and row b those of a batch-1 call at positions[b]."""
+    batch = len(positions)
+    run = ring_kernel("checked")
+    for ring_dtype, rows_dtype in ((mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32),
+                                   (mx.uint8, mx.bfloat16), (mx.uint8, mx.float32)):
+        ring = _ring(batch, capacity, width, ring_dtype, sum(positions))
+        rows = _mixed_rows(batch, length, width, rows_dtype, length + batch)
+        got = run(ring, rows, positions)
+        assert got.dtype == ring.dtype and got.shape == ring.shape
+        stacked = ring_mod.stacked_ring_update_ops(ring, rows, positions)
+        np.testing.assert_array_equal(_ring_bytes(got), _ring_bytes(stacked))
+        np.testing.assert_array_equal(_ring_bytes(got), _ring_bytes(
+            ring_mod.swa_ring_update_ops(ring, rows, positions)))
+        each = [ring_mod.swa_ring_update_ops(ring[b:b + 1], rows[b:b + 1], p)
+                for b, p in enumerate(positions)]
+        np.testing.assert_array_equal(_ring_bytes(got), _ring_bytes(mx.concatenate(each)))
+    # the dispatcher, the positions as a list or an int32/int64 array: the same bytes
+    for given in (list(positions), mx.array(positions, mx.int32), mx.array(positions, mx.int64)):
+        np.testing.assert_array_equal(
+            _ring_bytes(ring_mod.swa_ring_update(ring, rows, given, run=run)), _ring_bytes(got))
+    if batch > 1:  # a kernel of row 0's position for every row would not be these bytes
+        shared = ring_mod.swa_ring_update_ops(ring, rows, positions[0])
+        assert not np.array_equal(_ring_bytes(got), _ring_bytes(shared))
+
+
+def test_swa_ring_update_mixed_decode_loop():
+    """Three sequences at positions 0, 5 and 21 decoding 10 steps, each step one launch for all
+    rows: the ring of each row equals that of its own batch-1 kernel calls."""
+    batch, capacity, width, steps = 3, 8, 64, 10
+    starts = (0, 5, 21)
+    rows = _mixed_rows(batch, steps, width, mx.bfloat16, 4)
+    run = ring_kernel()
+    ring = _ring(batch, capacity, width, mx.uint8, 4)
+    alone = [ring[b:b + 1] for b in range(batch)]
+    for step in range(steps):
+        ring = run(ring, rows[:, step:step + 1], tuple(p + step for p in starts))
+        alone = [run(alone[b], rows[b:b + 1, step:step + 1], starts[b] + step)
+                 for b in range(batch)]
+        np.testing.assert_array_equal(_ring_bytes(ring), _ring_bytes(mx.concatenate(alone)))
+
+
+def test_swa_ring_update_per_row_dispatcher():
+    """Per-row positions without the kernel: the stacked ops (any form of the positions); with
+    one: a single launch; bad per-row input: a one-line ValueError naming the problem."""
+    ring = _ring(3, 8, 64, mx.uint8, 5)
+    rows = _mixed_rows(3, 2, 64, mx.bfloat16, 5)
+    positions = (4, 0, 29)
+    want = _ring_bytes(ring_mod.stacked_ring_update_ops(ring, rows, positions))
+    for given in (positions, list(positions), mx.array(positions, mx.int32),
+                  mx.array(positions, mx.int64)):
+        got = ring_mod.swa_ring_update(ring, rows, given, use_kernel=False)
+        np.testing.assert_array_equal(_ring_bytes(got), want)
+    np.testing.assert_array_equal(  # an int: the same ops as before
+        _ring_bytes(ring_mod.swa_ring_update(ring, rows, 7, use_kernel=False)),
+        _ring_bytes(ring_mod.swa_ring_update_ops(ring, rows, 7)))
+    calls = []
+
+    def counted(*args):
+        calls.append(args[2])
+        return ring_kernel()(*args)
+
+    got = ring_mod.swa_ring_update(ring, rows, mx.array(positions), run=counted)
+    np.testing.assert_array_equal(_ring_bytes(got), want)
+    assert calls == [positions]
+    for bad, problem in [((4, 0), "2 positions for 3 batch rows"),
+                         ((4, -1, 2), "position -1 of row 1"),
+                         (mx.array([1.0, 2.0, 3.0]), "int32 or int64 array"),
+                         (mx.array([[1, 2, 3]]), "int32 or int64 array")]:
+        with pytest.raises(ValueError, match=problem) as error:
+            ring_mod.swa_ring_update(ring, rows, bad, use_kernel=False)
+        assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="a ring of 2 batch rows for rows of 3"):
+        ring_mod.swa_ring_update(ring[:2], rows, positions, use_kernel=False)
+
+
+def test_swa_ring_update_self_check_passes_in_the_simulator():
+    """The self-check (an int and a two-row per-row call) keeps the simulated kernel."""
+    from tests.kernel_faults import warnings_of
+    run, messages = warnings_of(ring_mod.SWA_RING_UPDATE.build_checked, checked)
+    assert run is not ring_mod.swa_ring_update_ops and not messages, messages
+
+
 # ------------------------------------------------------------------------------ sparse attention
 def bf16_round(x: np.ndarray) -> np.ndarray:
     return np.array(mx.array(np.asarray(x, F32)).astype(mx.bfloat16).astype(mx.float32), np.float64)

@@ -6,9 +6,12 @@ the simulator runs on the host; the real kernels are compared with their ops on 
 in test_kernels.py."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+import mlx_v41
 from mlx_v41.kernels import Kernels
+from mlx_v41.model.batch import batch_forward
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from tests.kernel_faults import sim
 
@@ -49,17 +52,11 @@ def test_dispatchers_fall_back_to_ops_without_metal(goldens, tiny_model):
     assert mx.array_equal(model(ids), off(ids))
 
 
-def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
-    """The Metal path as a Mac runs it: every kernel, the fused ones too (`inexact=True`:
-    norms, router, SwiGLU, window rows, query RoPE, index queries), through the simulator, each
-    called, gives the ops' logits bit for bit over a prefill and two decode steps: the fused
-    kernels sum in the ops' order, so only a GPU's own rounding could move them. The mHC
-    kernels are the exception (their n*D-long sums run in another order; within 2^-15 at each
-    block side, test_mhc_kernel.py, which this chaotic model amplifies to 0.19 by position 12),
-    so here they run as their ops."""
+def counted_simulated_kernels(calls: dict) -> tuple:
+    """(every kernel through the simulator, the inexact ones too, mHC as its ops (below),
+    each call counted in `calls` by name; the names of the kernels)."""
     kernels = Kernels.build(sim, inexact=True)
     kernels.mhc, kernels.mhc_expand = mhc_ops, mhc_expand_ops
-    calls = {}
 
     def counted(name, run):
         def call(*args, **kwargs):
@@ -70,6 +67,19 @@ def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
     fields = [f for f in vars(kernels) if callable(getattr(kernels, f))]
     for field in fields:
         setattr(kernels, field, counted(field, getattr(kernels, field)))
+    return kernels, fields
+
+
+def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
+    """The Metal path as a Mac runs it: every kernel, the fused ones too (`inexact=True`:
+    norms, router, SwiGLU, window rows, query RoPE, index queries), through the simulator, each
+    called, gives the ops' logits bit for bit over a prefill and two decode steps: the fused
+    kernels sum in the ops' order, so only a GPU's own rounding could move them. The mHC
+    kernels are the exception (their n*D-long sums run in another order; within 2^-15 at each
+    block side, test_mhc_kernel.py, which this chaotic model amplifies to 0.19 by position 12),
+    so here they run as their ops."""
+    calls = {}
+    kernels, fields = counted_simulated_kernels(calls)
     simulated = tiny_model(kernels)
     reference = tiny_model(Kernels(use=False))
     ids = goldens("tiny").prompt[None, :12].astype(mx.int32)
@@ -80,3 +90,36 @@ def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
         step = mx.array([[token]], dtype=mx.int32)
         assert mx.array_equal(simulated(step, cache=cs), reference(step, cache=cr)).item()
     assert sorted(calls) == sorted(fields), set(fields) - set(calls)
+
+
+def test_a_batch_on_the_simulated_kernels_stacks_and_equals_each_sequence_alone(tiny_model):
+    """The Metal path of a batched decode step: with every kernel simulated (the inexact ones
+    too; mHC as its ops, as above), sequences at different positions whose windows are full
+    attend stacked, each kernel taking a position per batch row: every sequence's logits and
+    window ring equal its own batch-1 step through the same kernels, bit for bit, and the
+    attention kernels launch once per layer (sparse attention once per selection width), not
+    once per sequence."""
+    calls = {}
+    model = tiny_model(counted_simulated_kernels(calls)[0])
+    rng = np.random.default_rng(7)
+    caches, firsts = [], []
+    for length in (24, 40, 61):  # past the window (16), different selection widths
+        cache = model.make_cache()
+        ids = mx.array(rng.integers(0, 400, (1, length)), dtype=mx.int32)
+        firsts.append(int(mx.argmax(model.prefill(ids, cache)[0, -1]).item()))
+        caches.append(cache)
+    alone = [mlx_v41.copy_cache(c) for c in caches]
+    ids = mx.array([[t] for t in firsts], dtype=mx.int32)
+    calls.clear()
+    batched = batch_forward(model, ids, caches).logits
+    mx.eval(batched)
+    in_batch = dict(calls)
+    for b in range(3):
+        calls.clear()
+        own = model(ids[b:b + 1], cache=alone[b])
+        assert mx.array_equal(batched[b:b + 1], own).item(), b
+        assert mx.array_equal(caches[b][-1].window.rows, alone[b][-1].window.rows).item()
+    for name in ("window_rows", "swa_ring_update", "rope_products"):
+        assert in_batch[name] == calls[name], (name, in_batch[name], calls[name])
+    assert calls["sparse_attention"] <= in_batch["sparse_attention"] <= 2 * calls[
+        "sparse_attention"], (in_batch["sparse_attention"], calls["sparse_attention"])

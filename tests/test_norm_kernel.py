@@ -95,6 +95,58 @@ def test_products_norm_rope_act_fp8_match_ops(lead, width, rope_dim, positions, 
               outputs)
 
 
+YARN = {"original_max_position_embeddings": 65536, "factor": 16.0, "beta_fast": 32,
+        "beta_slow": 1}
+ROW_FORMS = {"tuple": tuple, "list": list,
+             "array": lambda firsts: mx.array(firsts, dtype=mx.int32)[:, None]}
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("firsts", [(0,), (70001,), (0, 70001), (65535, 3, 0),
+                                    (131075, 0, 9, 65536), (5, 100000, 0, 1, 200000)])
+def test_products_norm_rope_per_row_positions(firsts, length):
+    """The kv chain of a batch, each row from its own first position (0, small, beyond YaRN's
+    original 65536), in one launch: the ops' bits at the tuple, and row b those of a batch-1
+    call at first[b]."""
+    rows, width = len(firsts), 96
+    rng = np.random.default_rng(rows * 10 + length)
+    x = mx.array(_rows(rng, (rows, length, width), spread=1.0) * 30)
+    rope = RoPE(32, 160000.0, YARN)
+    args = (x, _weight(rng, width), 1e-6)
+    chain = dict(products=True, rope=rope, outputs=("y", "fp8"), fp8_dtype=mx.bfloat16)
+    form = ("tuple", "list", "array")[(rows + length) % 3]
+    calls = []
+    kernel = NORM.build(returning(lambda outputs: calls.append(1) or outputs, checked))
+    got = norm(*args, positions=ROW_FORMS[form](firsts), run=kernel, **chain)
+    assert len(calls) == 1
+    _same(got, norm_ops(*args, positions=firsts, **chain), chain["outputs"])
+    for b, first in enumerate(firsts):
+        alone = _run()(x[b:b + 1], *args[1:], positions=first, **chain)
+        _same(tuple(out[b:b + 1] for out in got), alone, chain["outputs"])
+
+
+def test_per_row_positions_through_the_dispatcher():
+    """`use_kernel=False` with per-row positions (each form): the ops' bits at the tuple; per-row
+    positions of the wrong count: one line naming them."""
+    rng = np.random.default_rng(6)
+    x = mx.array(_rows(rng, (3, 2, 64)))
+    firsts, rope = (9, 70000, 0), RoPE(16, 160000.0, YARN)
+    chain = dict(products=True, rope=rope, outputs=("y", "fp8"), fp8_dtype=mx.bfloat16)
+    args = (x, _weight(rng, 64), 1e-6)
+    want = norm_ops(*args, positions=firsts, **chain)
+    for form in ROW_FORMS.values():
+        for got in (norm(*args, positions=form(firsts), use_kernel=False, **chain),
+                    norm_ops(*args, positions=form(firsts), **chain)):
+            _same(got, want, chain["outputs"])
+    for run in (_run(), None):
+        with pytest.raises(ValueError, match="^norm: positions holds 2 first positions for 3 "
+                                             "batch rows$"):
+            norm(*args, positions=(1, 2), run=run, **chain)
+        with pytest.raises(ValueError, match=r"^norm: per-row positions must be an integer "
+                                             r"array \[3, 1\]"):
+            norm(*args, positions=mx.array([[1], [2]]), run=run, **chain)
+
+
 def test_products_norm_act_fp8_match_ops():
     """The q chain: products, norm, its act_fp8 (fp32) for q_b_proj; and bf16 rows."""
     rng = np.random.default_rng(3)

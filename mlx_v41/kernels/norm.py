@@ -32,7 +32,7 @@ from ..numerics.quant import ACT_FP8_BLOCK
 from ..numerics.rope import RoPE
 from .act_fp8 import act_fp8
 from .check import KernelMismatch
-from .rope_products import angles_of
+from .rope_products import angles_of, check_row_count, ops_positions, positions_fit
 from .spec import KernelSpec
 
 OUTPUTS = ("y", "y32", "fp8")  # the bf16 result, its fp32 copy, its act_fp8 rounding
@@ -57,7 +57,7 @@ def norm_ops(x, weight, eps, pre=None, products=False, rope=None, positions=None
     else:
         y = rms_norm(x, weight, eps, products)
     if rope is not None:
-        y = rope(y, positions)
+        y = rope(y, ops_positions(positions))
     results = {"y": y}
     if "y32" in outputs:
         results["y32"] = y.astype(mx.float32) if y32 is None else y32
@@ -116,8 +116,10 @@ def _rows_of(pre, rows: int, copies: int) -> mx.array:
 
 
 def _rotation(rope, positions, length: int):
-    """(cos, sin) [S, rope_dim / 2] of the rows' positions (`RoPE.cos_sin`, shared by the
-    layers of a call), as `RoPE.__call__` reads `positions`; placeholders without RoPE."""
+    """(cos, sin) of the rows' positions, as `RoPE.__call__` reads `positions`: [S, rope_dim /
+    2] shared by the batch rows (`RoPE.cos_sin`, shared by the layers of a call), or [B * S,
+    rope_dim / 2] of per-row first positions (`rope_products.angles_of`); placeholders without
+    RoPE."""
     if rope is None:
         return _placeholder(), _placeholder()
     return angles_of(rope, positions, length)
@@ -133,7 +135,8 @@ def _placeholder() -> mx.array:
 def applies(x, weight, pre=None, rope=None, positions=None) -> bool:
     """Whether the kernel takes these inputs: a width `threads_for` plans, at least one row,
     float rows (bf16 copies to collapse, whose sum the collapse rounds to bf16); RoPE on an
-    even tail of [B, S, D] rows whose positions cover S."""
+    even tail of [B, S, D] rows at an int first position, an [S] array, or one first position
+    per batch row (`rope_products.positions_fit`)."""
     width = x.shape[-1] if x.ndim else 0
     if threads_for(width) is None or x.size == 0 or weight.shape != (width,):
         return False
@@ -145,16 +148,14 @@ def applies(x, weight, pre=None, rope=None, positions=None) -> bool:
     if rope is None:
         return True
     rope_dim = rope.rope_dim
-    if isinstance(positions, tuple):  # a first position per row: the kernel takes one for all
-        return False
-    length_ok = not isinstance(positions, mx.array) or positions.shape == (x.shape[1],)
     return (x.ndim == 3 and pre is None and rope_dim % 2 == 0 and 0 < rope_dim <= width
-            and (width - rope_dim) % 2 == 0 and length_ok)
+            and (width - rope_dim) % 2 == 0 and positions_fit(positions, *x.shape[:2]))
 
 
 def _probe(run, ops) -> None:
-    """Two rows of 4 copies to collapse, and 3 rows of fp32 products with RoPE on 16 of 64
-    channels: within the tolerance of `check_close`."""
+    """Two rows of 4 copies to collapse, 3 rows of fp32 products with RoPE on 16 of 64
+    channels, and 2 batch rows of those from their own first positions (5 and 70001): within
+    the tolerance of `check_close`."""
     wave = lambda n, f: mx.sin(mx.arange(n, dtype=mx.float32) * f)  # noqa: E731
     streams = (wave(2 * 4 * 128, 0.37) * 5).reshape(1, 2, 4, 128).astype(mx.bfloat16)
     pre = mx.abs(wave(8, 0.9)).reshape(1, 2, 4) + 0.25
@@ -167,6 +168,9 @@ def _probe(run, ops) -> None:
               fp8_dtype=mx.bfloat16)
     args = (products, 1 + wave(64, 0.3) * 0.25, 1e-6)
     check_close("norm rope", run(*args, **kv), ops(*args, **kv), ("y", "fp8"))
+    args = (mx.concatenate([products, products[:, ::-1] * 0.5]), *args[1:])
+    kv["positions"] = (5, 70001)
+    check_close("norm rope per row", run(*args, **kv), ops(*args, **kv), ("y", "fp8"))
 
 
 def check_close(name: str, got: tuple, want: tuple, outputs: Sequence[str]) -> None:
@@ -230,8 +234,9 @@ def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
         products: x holds fp32 projection products whose bf16 rounding is the activation
             (`RMSNorm.of_products`).
         rope: a `RoPE` rotating the last rope_dim channels of the normed [B, S, D] rows at
-            `positions` (as `RoPE.__call__` takes them: an int first position, an [S] array,
-            or a tuple of each row's first position, which only the ops take).
+            `positions`: an int first position or an [S] array (both shared by every row of
+            axis 0), or the first position of each row of axis 0, a tuple or list of B ints
+            (as `RoPE.__call__` takes them) or an integer mx.array [B, 1] (rope_products.py).
         outputs: names from OUTPUTS: "y" the bf16 result, "y32" its fp32 copy, "fp8" its
             act_fp8 quantise-dequantise in `fp8_dtype`.
         use_kernel: use the Metal kernel when it applies.
@@ -240,7 +245,12 @@ def norm(x, weight, eps, pre=None, products=False, rope=None, positions=None,
     Returns:
         The outputs asked for, in order, each [..., D]: the ops' values, or the kernel's within
         its tolerance (`check_close`).
+    Raises:
+        ValueError: per-row positions that do not give one first position per row of axis 0;
+            outputs not from OUTPUTS.
     """
+    if rope is not None:
+        check_row_count("norm", positions, x.shape[0] if x.ndim else 0)
     given = use_kernel
     run = NORM.choose(use_kernel, run)
     args = (x, weight, eps, pre, products, rope, positions, outputs, fp8_dtype)

@@ -3,9 +3,11 @@ inference/model.py L706–707) and write them at slots `position mod R` of the l
 ring holds either the rounded values ([B, R, D] float) or packed rows ([B, R, D + D/32] uint8:
 E4M3 codes, then E8M0 scale bytes; 528 B for D = 512).
 
-The Metal kernel (metal/swa_ring.metal) fuses the rounding (or packing) and the slot writes into
-one launch. `mx.fast.metal_kernel` outputs are fresh buffers, so it re-emits the whole ring; the
-ops path scatters the rows and lets MLX reuse the ring's buffer when nothing else holds it.
+The position of a chunk's first row is one int for every batch row, or one per batch row
+(sequences at different positions in one batch). The Metal kernel (metal/swa_ring.metal) fuses
+the rounding (or packing) and the slot writes of every batch row into one launch.
+`mx.fast.metal_kernel` outputs are fresh buffers, so it re-emits the whole ring; the ops path
+scatters the rows and lets MLX reuse the ring's buffer when nothing else holds it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,41 @@ def _surviving(rows: mx.array, offset: int, capacity: int):
     return rows[:, rows.shape[1] - keep:], slots
 
 
+def row_positions(name: str, positions, batch: int) -> Optional[tuple]:
+    """None for one int position shared by every batch row; else the B ints of a per-row
+    position (a tuple or list of ints, or an int32/int64 mx.array [B]), checked: one per row,
+    each in [0, 2^31). A bad one raises a one-line ValueError naming `name` and the problem."""
+    if isinstance(positions, mx.array) and positions.ndim == 0:
+        positions = positions.item()
+    if isinstance(positions, (int, np.integer)):
+        return None
+    if isinstance(positions, mx.array):
+        if positions.ndim != 1 or positions.dtype not in (mx.int32, mx.int64):
+            raise ValueError(f"{name}: per-row positions must be an int32 or int64 array [B], "
+                             f"got {positions.dtype} of shape {tuple(positions.shape)}")
+        positions = positions.tolist()
+    if not isinstance(positions, (tuple, list)) or not all(
+            isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in positions):
+        raise ValueError(f"{name}: a position is an int or one int per batch row, got "
+                         f"{type(positions).__name__}")
+    if len(positions) != batch:
+        raise ValueError(f"{name}: {len(positions)} positions for {batch} batch rows")
+    for row, position in enumerate(positions):
+        if not 0 <= position < 2 ** 31:
+            raise ValueError(f"{name}: position {position} of row {row} is out of [0, 2^31)")
+    return tuple(int(p) for p in positions)
+
+
+def position_buffer(positions, batch: int) -> mx.array:
+    """The int32 [B] position of each batch row a kernel reads (an int: the same for all),
+    made on the host (an int32 array [B] as given)."""
+    if isinstance(positions, mx.array) and positions.ndim == 1:
+        return positions if positions.dtype == mx.int32 else positions.astype(mx.int32)
+    if isinstance(positions, (tuple, list)):
+        return mx.array(np.asarray(positions, np.int64).astype(np.int32))
+    return mx.array(np.full(batch, int(positions), np.int32))
+
+
 def is_packed_ring(ring: mx.array, width: int) -> bool:
     """A uint8 ring of D + D/32 byte rows holds packed FP8 rows; otherwise rounded values."""
     if ring.dtype != mx.uint8:
@@ -42,11 +79,16 @@ def is_packed_ring(ring: mx.array, width: int) -> bool:
     return True
 
 
-def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset: int) -> mx.array:
+def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset) -> mx.array:
     """Reference: ring [B, R, D] float or [B, R, D + D/32] uint8, rows [B, S, D] of positions
-    offset .. offset + S - 1 -> the new ring (pure MLX)."""
+    offset .. offset + S - 1 -> the new ring (pure MLX). A per-row offset (B ints, or an int
+    array [B]) runs `stacked_ring_update_ops`."""
     if rows.shape[1] == 0:
         return ring
+    if not isinstance(offset, (int, np.integer)) and (
+            not isinstance(offset, mx.array) or offset.ndim):
+        return stacked_ring_update_ops(ring, rows, offset)
+    offset = int(offset)
     kept, slots = _surviving(rows, offset, ring.shape[1])
     if is_packed_ring(ring, rows.shape[-1]):
         values = pack_fp8_e8m0(kept)
@@ -56,25 +98,30 @@ def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset: int) -> mx.array
     return mx.put_along_axis(ring, index, values, axis=1)
 
 
-def stacked_ring_update_ops(ring: mx.array, rows: mx.array, positions: tuple) -> mx.array:
-    """`swa_ring_update_ops` of G sequences' packed rings at once, ops only: ring
-    [G, R, D + D/32] stacked from theirs, rows [G, S, D] (S <= R), row g's of positions
-    positions[g].. -> the new stacked ring, row g the bytes of its own update."""
+def stacked_ring_update_ops(ring: mx.array, rows: mx.array, positions) -> mx.array:
+    """`swa_ring_update_ops` of G sequences' rings at once (the per-row offset), ops only:
+    ring [G, R, D] float or [G, R, D + D/32] uint8 stacked from theirs, rows [G, S, D], row g's
+    of positions positions[g] .. (G ints, or an int array [G]) -> the new stacked ring, row g
+    the bytes of its own update (when S > R only the last R rows land, as there)."""
     length, capacity = rows.shape[1], ring.shape[1]
-    if length > capacity or not is_packed_ring(ring, rows.shape[-1]):
-        raise ValueError(f"stacked_ring_update_ops: {length} rows for a ring of {capacity} "
-                         f"slots, or a ring of {ring.dtype} (it writes up to R packed rows)")
-    first = np.asarray(positions, np.int64)[:, None]
-    slots = mx.array(((first + np.arange(length)) % capacity).astype(np.int32))
-    values = pack_fp8_e8m0(rows)
+    if length == 0:
+        return ring
+    keep = min(length, capacity)
+    first = np.asarray(positions, np.int64).reshape(-1, 1) + (length - keep)
+    slots = mx.array(((first + np.arange(keep)) % capacity).astype(np.int32))  # host: no ops
+    kept = rows[:, length - keep:] if keep < length else rows
+    if is_packed_ring(ring, rows.shape[-1]):
+        values = pack_fp8_e8m0(kept)
+    else:
+        values = act_fp8_qdq(kept).astype(ring.dtype)
     return mx.put_along_axis(ring, mx.broadcast_to(slots[..., None], values.shape), values,
                              axis=1)
 
 
-def _launch(kernel, ring: mx.array, rows: mx.array, offset: int) -> mx.array:
+def _launch(kernel, ring: mx.array, rows: mx.array, offset) -> mx.array:
     threads = ring.shape[0] * ring.shape[1] * rows.shape[-1]
     packed = is_packed_ring(ring, rows.shape[-1])
-    out, = kernel(inputs=[ring, rows, int(offset)],
+    out, = kernel(inputs=[ring, rows, position_buffer(offset, ring.shape[0])],
                   template=[("T", ring.dtype), ("PACKED", packed)],
                   grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
                   output_shapes=[ring.shape], output_dtypes=[ring.dtype])
@@ -82,21 +129,25 @@ def _launch(kernel, ring: mx.array, rows: mx.array, offset: int) -> mx.array:
 
 
 def _probe(run, ops) -> None:
-    """Three rows written across the end of a packed ring of 8: bytes equal to the ops'."""
-    ring = (mx.arange(8 * 66, dtype=mx.uint32) % 251).astype(mx.uint8).reshape(1, 8, 66)
-    rows = (mx.cos(mx.arange(3 * 64, dtype=mx.float32) * 0.21) * 5).reshape(1, 3, 64)
+    """Three rows written across the end of a packed ring of 8, then two batch rows at their
+    own positions (row 0's across the end, row 1's not): bytes equal to the ops'."""
+    ring = (mx.arange(2 * 8 * 66, dtype=mx.uint32) % 251).astype(mx.uint8).reshape(2, 8, 66)
+    rows = (mx.cos(mx.arange(2 * 3 * 64, dtype=mx.float32) * 0.21) * 5).reshape(2, 3, 64)
     rows = rows.astype(mx.bfloat16)
-    assert_equal("swa_ring_update", run(ring, rows, 6), ops(ring, rows, 6))
+    assert_equal("swa_ring_update", run(ring[:1], rows[:1], 6), ops(ring[:1], rows[:1], 6))
+    assert_equal("swa_ring_update", run(ring, rows, (6, 17)), ops(ring, rows, (6, 17)))
 
 
-# The kernel as `run(ring, rows, offset)`: metal/swa_ring.metal, rounding (or packing) and the
-# slot writes in one launch.
-SWA_RING_UPDATE = KernelSpec("v41_swa_ring_update", "swa_ring_update", ("ring", "rows", "offset"),
+# The kernel as `run(ring, rows, offset)` (offset an int, or one per batch row):
+# metal/swa_ring.metal, rounding (or packing) and the slot writes in one launch; it reads each
+# batch row's first position from the int32 [B] buffer `positions`.
+SWA_RING_UPDATE = KernelSpec("v41_swa_ring_update", "swa_ring_update",
+                             ("ring", "rows", "positions"),
                              ("out",), "swa_ring.metal", _launch, _probe, swa_ring_update_ops,
                              headers=("v41_common.h",))
 
 
-def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: Optional[bool] = None,
+def swa_ring_update(ring: mx.array, rows: mx.array, offset, use_kernel: Optional[bool] = None,
                     run=None) -> mx.array:
     """Write a chunk's window rows into the ring, FP8-rounded.
 
@@ -106,7 +157,10 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: Opt
         rows: [B, S, D] window KV rows of positions offset .. offset + S - 1 (rounded or not:
             act_fp8 is idempotent on the values), D a multiple of 32; when S > R only the
             last R rows are kept.
-        offset: absolute position of rows[:, 0] (>= 0).
+        offset: absolute position of rows[:, 0] (>= 0), an int; or per batch row, a tuple or
+            list of B ints or an int32/int64 array [B]: row b's rows are of positions
+            offset[b] .. offset[b] + S - 1 (one launch for all rows; the ops are
+            `stacked_ring_update_ops`, row b the bytes of a batch-1 call at offset[b]).
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`SWA_RING_UPDATE.build(factory)`) to use unconditionally,
             e.g. the Metal simulator's in tests.
@@ -114,10 +168,18 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset: int, use_kernel: Opt
         The new ring, same shape and dtype; the kept rows' slots hold act_fp8_qdq(rows) or
         pack_fp8_e8m0(rows).
     """
+    per_row = row_positions("swa_ring_update", offset, rows.shape[0])
+    if per_row is not None and ring.shape[0] != rows.shape[0]:
+        raise ValueError(f"swa_ring_update: a ring of {ring.shape[0]} batch rows for rows of "
+                         f"{rows.shape[0]}")
+    if per_row is None:
+        offset = int(offset)
     packed = is_packed_ring(ring, rows.shape[-1])
     run = SWA_RING_UPDATE.choose(use_kernel, run, applies=(
         rows.shape[1] > 0 and rows.dtype in _FLOAT_DTYPES and (packed or ring.dtype == rows.dtype)
-        and rows.shape[-1] % ACT_FP8_BLOCK == 0 and offset >= 0))
+        and rows.shape[-1] % ACT_FP8_BLOCK == 0 and (per_row is not None or offset >= 0)))
     if run is None:
-        return swa_ring_update_ops(ring, rows, offset)
-    return run(ring, rows, offset)
+        if per_row is None:
+            return swa_ring_update_ops(ring, rows, offset)
+        return stacked_ring_update_ops(ring, rows, per_row)
+    return run(ring, rows, offset if per_row is None else per_row)

@@ -3,8 +3,9 @@ call, followed by the call's own new window KV rows, trimmed to what the queries
 
 The ops (`window_rows_ops`: a take of the ring slots, the FP8 + E8M0 decode, a concatenation and
 a slice) are 3 to 5 launches per layer; the Metal kernel (metal/window_rows.metal) reads the ring
-slots and the new rows in one launch. Decoding is exact, so its values equal the ops' bit for
-bit.
+slots and the new rows in one launch. The call's position is one int for every batch row, or one
+per batch row (sequences at different positions in one batch: still one launch). Decoding is
+exact, so its values equal the ops' bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..numerics.quant import ACT_FP8_BLOCK, unpack_fp8_e8m0
 from .builder import simd_threadgroup
 from .check import assert_equal
 from .spec import KernelSpec
-from .swa_ring import swa_ring_update_ops
+from .swa_ring import position_buffer, row_positions, swa_ring_update_ops
 
 
 def recent_rows(ring: mx.array, position: int, count: int) -> mx.array:
@@ -28,32 +29,40 @@ def recent_rows(ring: mx.array, position: int, count: int) -> mx.array:
     return unpack_fp8_e8m0(mx.take(ring, slots, axis=1))
 
 
-def stacked_window_rows_ops(ring: mx.array, rows: mx.array, positions: tuple,
+def stacked_window_rows_ops(ring: mx.array, rows: mx.array, positions,
                             count: int) -> mx.array:
-    """`window_rows_ops` (no skip) of G sequences at once, ops only: ring [G, R, D + D/32]
-    stacked from their rings, rows [G, S, D] bf16, row g's of positions positions[g].. ->
-    [G, count + S, D], row g the bits of its own call (decoding is exact)."""
+    """`window_rows_ops` (no skip) of G sequences at once (the per-row position), ops only:
+    ring [G, R, D + D/32] stacked from their rings, rows [G, S, D] bf16, row g's of positions
+    positions[g] .. (G ints, or an int array [G]) -> [G, count + S, D], row g the bits of its
+    own call (decoding is exact)."""
     first = np.asarray(positions, np.int64)[:, None] - count
     slots = mx.array(((first + np.arange(count)) % ring.shape[1]).astype(np.int32))
     held = mx.take_along_axis(ring, slots[..., None], axis=1)
     return mx.concatenate([unpack_fp8_e8m0(held), rows], axis=1)
 
 
-def window_rows_ops(ring: mx.array, rows: mx.array, position: int, count: int,
+def window_rows_ops(ring: mx.array, rows: mx.array, position, count: int,
                     skip: int) -> mx.array:
     """Reference: the ring's `count` rows before `position`, then `rows`, from row `skip` on
-    (pure MLX; arguments as in `window_rows`)."""
+    (pure MLX; arguments as in `window_rows`). A per-row position (B ints, or an int array
+    [B]) runs `stacked_window_rows_ops`."""
+    if isinstance(position, mx.array) and position.ndim == 0:
+        position = position.item()
+    if not isinstance(position, (int, np.integer)):
+        if count:
+            rows = stacked_window_rows_ops(ring, rows, position, count)
+        return rows[:, skip:]
     if count:
         rows = mx.concatenate([recent_rows(ring, position, count), rows], axis=1)
     return rows[:, skip:]
 
 
-def _launch(kernel, ring: mx.array, rows: mx.array, position: int, count: int,
+def _launch(kernel, ring: mx.array, rows: mx.array, position, count: int,
             skip: int) -> mx.array:
     batch, fresh, width = rows.shape
     shape = (batch, count + fresh - skip, width)
     threads = shape[0] * shape[1] * width
-    out, = kernel(inputs=[ring, rows, int(position), int(count), int(skip)],
+    out, = kernel(inputs=[ring, rows, position_buffer(position, batch), int(count), int(skip)],
                   grid=(threads, 1, 1), threadgroup=(simd_threadgroup(threads), 1, 1),
                   output_shapes=[shape], output_dtypes=[mx.bfloat16])
     return out
@@ -61,23 +70,28 @@ def _launch(kernel, ring: mx.array, rows: mx.array, position: int, count: int,
 
 def _probe(run, ops) -> None:
     """Five ring rows across the end of a ring of 8 (their scales 2^-22 .. 2^5), then two new
-    rows, the first row skipped: bytes equal to the ops'."""
-    values = mx.sin(mx.arange(8 * 64, dtype=mx.float32) * 0.37).reshape(1, 8, 64)
+    rows, the first row skipped; then two batch rows at their own positions (row 0's ring rows
+    across the end, row 1's not): bytes equal to the ops'."""
+    values = mx.sin(mx.arange(2 * 8 * 64, dtype=mx.float32) * 0.37).reshape(2, 8, 64)
     values = values * mx.power(2.0, mx.arange(-13, 14, 3, dtype=mx.float32)[:8, None])
-    ring = swa_ring_update_ops(mx.zeros((1, 8, 66), mx.uint8), values.astype(mx.bfloat16), 9)
-    rows = (mx.cos(mx.arange(2 * 64, dtype=mx.float32)) * 3).reshape(1, 2, 64)
+    ring = swa_ring_update_ops(mx.zeros((2, 8, 66), mx.uint8), values.astype(mx.bfloat16), 9)
+    rows = (mx.cos(mx.arange(2 * 2 * 64, dtype=mx.float32)) * 3).reshape(2, 2, 64)
     rows = rows.astype(mx.bfloat16)
-    assert_equal("window_rows", run(ring, rows, 17, 5, 1), ops(ring, rows, 17, 5, 1))
+    assert_equal("window_rows", run(ring[:1], rows[:1], 17, 5, 1),
+                 ops(ring[:1], rows[:1], 17, 5, 1))
+    assert_equal("window_rows", run(ring, rows, (17, 14), 5, 1), ops(ring, rows, (17, 14), 5, 1))
 
 
-# The kernel as `run(ring, rows, position, count, skip)`: metal/window_rows.metal.
+# The kernel as `run(ring, rows, position, count, skip)` (position an int, or one per batch row):
+# metal/window_rows.metal, which reads each batch row's position from the int32 [B] buffer
+# `positions`.
 WINDOW_ROWS = KernelSpec("v41_window_rows", "window_rows",
-                         ("ring", "rows", "position", "count", "skip"), ("out",),
+                         ("ring", "rows", "positions", "count", "skip"), ("out",),
                          "window_rows.metal", _launch, _probe, window_rows_ops,
                          headers=("v41_common.h", "attention_prep.h"))
 
 
-def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip: int = 0,
+def window_rows(ring: mx.array, rows: mx.array, position, count: int, skip: int = 0,
                 use_kernel: Optional[bool] = None, run=None) -> mx.array:
     """The window rows an attention call reads.
 
@@ -85,9 +99,12 @@ def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip:
         ring: [B, R, D + D/32] uint8 packed window ring (kernels/swa_ring.py), slot = position
             mod R; None while nothing is written (then count is 0).
         rows: [B, S, D] bf16 window KV rows of positions position .. position + S - 1.
-        position: absolute position of rows[:, 0].
-        count: ring rows to read, those of positions position - count .. position - 1
-            (0 <= count <= min(position, R)).
+        position: absolute position of rows[:, 0], an int; or per batch row, a tuple or list
+            of B ints or an int32/int64 array [B] (row b's rows are of positions
+            position[b] .. ; one launch for all rows; the ops are `stacked_window_rows_ops`,
+            row b the bits of a batch-1 call at position[b]).
+        count: ring rows each batch row reads, those of positions position - count ..
+            position - 1 (0 <= count <= min(position, R); per row: for every row's position).
         skip: leading rows of the concatenation to leave out (0 <= skip <= count + S).
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`WINDOW_ROWS.build(factory)`) to use where it applies,
@@ -95,16 +112,26 @@ def window_rows(ring: mx.array, rows: mx.array, position: int, count: int, skip:
     Returns:
         [B, count + S - skip, D] bf16, identical to `window_rows_ops`.
     """
+    per_row = row_positions("window_rows", position, rows.shape[0])
     capacity = 0 if ring is None else ring.shape[1]
-    if not 0 <= count <= min(position, capacity) or not 0 <= skip <= count + rows.shape[1]:
-        raise ValueError(f"window_rows: cannot read {count} ring rows before position "
-                         f"{position} (a ring of {capacity} slots) and leave out {skip} of "
-                         f"{count + rows.shape[1]} rows")
+    if per_row is not None and ring is not None and ring.shape[0] != rows.shape[0]:
+        raise ValueError(f"window_rows: a ring of {ring.shape[0]} batch rows for rows of "
+                         f"{rows.shape[0]}")
+    for row, first in enumerate((position,) if per_row is None else per_row):
+        if not 0 <= count <= min(first, capacity) or not 0 <= skip <= count + rows.shape[1]:
+            where = "" if per_row is None else f" of row {row}"
+            raise ValueError(f"window_rows: cannot read {count} ring rows before position "
+                             f"{first}{where} (a ring of {capacity} slots) and leave out {skip} "
+                             f"of {count + rows.shape[1]} rows")
     width = rows.shape[-1]
     run = WINDOW_ROWS.choose(use_kernel, run)
     if (run is None or count == 0
             or count + rows.shape[1] == skip or rows.ndim != 3 or rows.dtype != mx.bfloat16
             or ring.dtype != mx.uint8 or ring.shape[0] != rows.shape[0]
             or width % ACT_FP8_BLOCK or ring.shape[-1] != width + width // ACT_FP8_BLOCK):
-        return window_rows_ops(ring, rows, position, count, skip)  # also its errors
-    return run(ring, rows, position, count, skip)
+        if per_row is None:
+            return window_rows_ops(ring, rows, position, count, skip)  # also its errors
+        if count:
+            rows = stacked_window_rows_ops(ring, rows, per_row, count)
+        return rows[:, skip:]
+    return run(ring, rows, position if per_row is None else per_row, count, skip)

@@ -32,8 +32,8 @@ from ..kernels.sparse_attention import (SPARSE_ATTENTION, gather_selected,
                                         gathered_attention_ops, packed_row_bytes,
                                         sparse_attention)
 from ..kernels.spec import runs_ops
-from ..kernels.swa_ring import SWA_RING_UPDATE, stacked_ring_update_ops
-from ..kernels.window_rows import WINDOW_ROWS, stacked_window_rows_ops
+from ..kernels.swa_ring import SWA_RING_UPDATE, swa_ring_update
+from ..kernels.window_rows import WINDOW_ROWS, window_rows
 from ..numerics.rope import shared_rope
 
 # Query rows x index heads x key rows scored at once: 16 MiB of fp32 per intermediate. A
@@ -164,12 +164,16 @@ class Attention(nn.Module):
                   for b in alone]
         return in_order(parts, stacked + alone)
 
+    # False: the stacked path runs wherever kernels run too (each kernel takes a position per
+    # batch row); True: only where every dispatcher runs its ops (the path before that).
+    stack_on_ops_only = False
+
     def _stackable(self, ctx: BatchState, caches: list, n_in: int, n_out: int) -> list:
-        """The sequences `_attend_stacked` takes: every row a query, a ring holding the
-        window - 1 rows before the call and room for the call's rows, and every dispatcher on
-        the way running its ops (the stacked path runs ops, which are the kernels' values only
-        to a tolerance: on a GPU with kernels each sequence goes alone)."""
-        if n_out != n_in or not runs_ops(*STACKED_OPS):
+        """The sequences `_attend_stacked` takes: every row a query, and a ring holding the
+        window - 1 rows before the call and room for the call's rows. Its dispatchers are the
+        ones `_attend` calls, with a position per batch row, so each row gets the values of
+        its own call on the ops and on the kernels alike."""
+        if n_out != n_in or (self.stack_on_ops_only and not runs_ops(*STACKED_OPS)):
             return []
         return [b for b, (state, cache) in enumerate(zip(ctx.states, caches))
                 if state.start >= self.window - 1 and cache.window.rows is not None
@@ -177,29 +181,49 @@ class Attention(nn.Module):
 
     def _attend_stacked(self, x, kv_products, q, qr, qr_fp8, states: list, caches: list,
                         ctx: BatchState) -> mx.array:
-        """`_attend` of G sequences [G, n, ...] whose windows are full, on the ops: the norms,
-        RoPE, window reads and ring writes and the attention run over all G rows at once
-        (each row its own positions and ring), the compressor and the selection per sequence
-        (each against its own compressed rows) -> [G, n, heads, head_dim] fp32."""
+        """`_attend` of G sequences [G, n, ...] whose windows are full: the norms, RoPE,
+        window reads and ring writes and the attention run over all G rows at once (one call
+        of each dispatcher, each row its own positions and ring), the compressor and the
+        selection per sequence where their shapes differ (each against its own compressed
+        rows) -> [G, n, heads, head_dim] fp32."""
         starts = tuple(state.start for state in states)
         kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,
                    rope=self.rope, positions=starts, outputs=("fp8",), fp8_dtype=mx.bfloat16)
         rings = [cache.window for cache in caches]
         stacked = mx.concatenate([ring.rows for ring in rings], axis=0)
-        window = stacked_window_rows_ops(stacked, kv, starts, self.window - 1)
-        _wrote_rows(rings, stacked_ring_update_ops(stacked, kv, starts), starts, kv.shape[1])
+        window = window_rows(stacked, kv, starts, self.window - 1)
+        _wrote_rows(rings, swa_ring_update(stacked, kv, starts), starts, kv.shape[1])
         each = _Split(x, qr, qr_fp8)
         if self.role.mode == FULL:
             self._compress_stacked(x, states)
         q = rope_products(q, self.rope, starts)
         outs, order = [], []
         for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
-            outs.append(gathered_attention_ops(take_rows(q, members), take_rows(window, members),
-                                               picked, self.sinks, self.head_dim ** -0.5,
-                                               self.window))
+            outs.append(self._attend_group(take_rows(q, members), take_rows(window, members),
+                                           picked))
             order += members
         out = in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)
+
+    def _attend_group(self, q, window, picked) -> mx.array:
+        """Sparse attention of sequences that select as many rows each (`picked`: their
+        gathered rows, `_selected_groups`): on the ops over the gathered rows as they are; on
+        the kernel with them as each row's packed rows, read in the order of its selection
+        (an empty pick -1), so each row reads the keys of its own call in the same order."""
+        scale = self.head_dim ** -0.5
+        if SPARSE_ATTENTION.choose() is None:
+            return gathered_attention_ops(q, window, picked, self.sinks, scale, self.window)
+        batch, length = q.shape[:2]
+        if picked is None:
+            packed = mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8)
+            rows = mx.zeros((batch, length, 0), mx.int32)
+        else:
+            packed, filled = picked
+            width = packed.shape[2]
+            packed = packed.reshape(batch, length * width, packed.shape[-1])
+            order = mx.arange(length * width, dtype=mx.int32).reshape(1, length, width)
+            rows = mx.where(filled, order, -1)
+        return sparse_attention(q, window, packed, rows, self.sinks, scale, self.window)
 
     def _compress_stacked(self, x: mx.array, states: list) -> None:
         """`compress` of each stacked sequence: the compressor over all of them at once
@@ -364,7 +388,8 @@ class Attention(nn.Module):
         store.append(self.rope(latents, group_pos), index_rows)
 
 
-# The dispatchers `_attend_stacked` runs as ops over stacked rows (`runs_ops`).
+# The dispatchers `_attend_stacked` calls over stacked rows (with `stack_on_ops_only`, it runs
+# only where all of them run their ops, `runs_ops`).
 STACKED_OPS = (NORM, ACT_FP8, WINDOW_ROWS, SWA_RING_UPDATE, ROPE_PRODUCTS, SPARSE_ATTENTION,
                FP4_PACK, INDEX_QUERIES)
 

@@ -21,7 +21,6 @@ from ..cache.layer import commit, transaction
 from ..kernels.context import using
 from .engram import engram_rows_stacked
 from .prefill import ModelOutput, _as_ids, draft_ring_rows
-from .stacked import split_rows
 from .shared import BatchState, ForwardState, Taps, shared_state
 
 
@@ -55,11 +54,11 @@ def batch_forward(model, ids, caches: Sequence[list]) -> ModelOutput:
         streams, pre = text.encoder_stack(streams, pre, state, by_layer)
         hidden = text.decoder_stack(streams, pre, state, by_layer)
         logits = model.head(hidden, False)
-        if drafting:  # the drafter's rows of every sequence at once, each ring its own
+        if drafting:  # the drafter's rows and ring writes of every sequence at once
             main_x = draft_ring_rows(model, taps.rows)
-            for cache, seq, rows in zip(caches, states, split_rows(main_x)):
-                model.dspark.write_rings(cache[model.cfg.num_hidden_layers:], rows,
-                                         seq.end - rows.shape[1])
+            layers = model.cfg.num_hidden_layers
+            model.dspark.write_rings_stacked([cache[layers:] for cache in caches], main_x,
+                                             tuple(seq.end - main_x.shape[1] for seq in states))
         for cache, seq in zip(caches, states):
             commit(cache, seq.end)
     return ModelOutput(logits, dict(taps.rows))

@@ -13,12 +13,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.sparse_attention import attend
+from ..kernels.swa_ring import swa_ring_update
 from .attention import add_projections
 from .config import TextConfig
 from .layers import QuantLinear, RMSNorm, head_logits, round_act_fp8
 from ..numerics.mhc import collapse, expand
 from .mhc import HyperConnection
 from .moe import MoE
+from .stacked import split_rows
 from ..numerics.rope import shared_rope
 
 MAIN_NORM_EPS = 1e-20  # main_norm's eps in the reference, not the text model's
@@ -123,6 +125,22 @@ class DSpark(nn.Module):
         (`rings`: the cache's DSpark entries; their offsets advance at the call's commit)."""
         for ring, values in zip(rings, self.ring_rows(main_x, position)):
             ring.window.write(values, position)
+
+    def write_rings_stacked(self, caches: list, main_x: mx.array, positions: tuple) -> None:
+        """`write_rings` of B sequences at once: main_x [B, S, D], row b at positions[b]..
+        of its own rings (`caches[b]`: its DSpark entries). The stages' rows of every
+        sequence together, and one ring update per stage (each row at its own position)
+        where every ring is allocated and as large; else each its own."""
+        for stage, values in enumerate(self.ring_rows(main_x, positions)):
+            rings = [entries[stage].window for entries in caches]
+            if any(r.rows is None for r in rings) or len({r.rows.shape for r in rings}) > 1:
+                for ring, rows, position in zip(rings, split_rows(values), positions):
+                    ring.write(rows, position)
+                continue
+            stacked = swa_ring_update(mx.concatenate([r.rows for r in rings]), values,
+                                      positions)
+            for ring, rows, position in zip(rings, split_rows(stacked), positions):
+                ring.took(rows, position, values.shape[1])
 
     def ring_keys(self, ring, position: int) -> Optional[mx.array]:
         """A stage ring's rows of the last `sliding_window` positions before `position`, in

@@ -333,6 +333,9 @@ def test_swa_ring_update_per_row_dispatcher():
     got = ring_mod.swa_ring_update(ring, rows, mx.array(positions), run=counted)
     np.testing.assert_array_equal(_ring_bytes(got), want)
     assert calls == [positions]
+    column = mx.array(positions).reshape(-1, 1)  # the [B, 1] form rope_products takes
+    np.testing.assert_array_equal(
+        _ring_bytes(ring_mod.swa_ring_update(ring, rows, column, use_kernel=False)), want)
     for bad, problem in [((4, 0), "2 positions for 3 batch rows"),
                          ((4, -1, 2), "position -1 of row 1"),
                          (mx.array([1.0, 2.0, 3.0]), "int32 or int64 array"),

@@ -36,16 +36,20 @@ def _surviving(rows: mx.array, offset: int, capacity: int):
 
 def row_positions(name: str, positions, batch: int) -> Optional[tuple]:
     """None for one int position shared by every batch row; else the B ints of a per-row
-    position (a tuple or list of ints, or an int32/int64 mx.array [B]), checked: one per row,
-    each in [0, 2^31). A bad one raises a one-line ValueError naming `name` and the problem."""
+    position (a tuple or list of ints, or an int32/int64 mx.array [B] or [B, 1], the form
+    `rope_products` takes), checked: one per row, each in [0, 2^31). A bad one raises a
+    one-line ValueError naming `name` and the problem."""
     if isinstance(positions, mx.array) and positions.ndim == 0:
         positions = positions.item()
     if isinstance(positions, (int, np.integer)):
         return None
     if isinstance(positions, mx.array):
+        if positions.ndim == 2 and positions.shape[1] == 1:
+            positions = positions.reshape(-1)
         if positions.ndim != 1 or positions.dtype not in (mx.int32, mx.int64):
-            raise ValueError(f"{name}: per-row positions must be an int32 or int64 array [B], "
-                             f"got {positions.dtype} of shape {tuple(positions.shape)}")
+            raise ValueError(f"{name}: per-row positions must be an int32 or int64 array [B] "
+                             f"or [B, 1], got {positions.dtype} of shape "
+                             f"{tuple(positions.shape)}")
         positions = positions.tolist()
     if not isinstance(positions, (tuple, list)) or not all(
             isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in positions):

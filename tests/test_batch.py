@@ -442,3 +442,27 @@ def test_a_step_starts_the_next_tokens_before_it_reads_its_own(loaded, monkeypat
     # its first call saw the prompt's last token, each later one the reply's token before
     assert len(calls) >= 2 and calls[0] == texts[2][-1]
     assert calls[1:] == out[uids[2]][:len(calls) - 1]
+
+
+@pytest.mark.parametrize("axis, sizes, fill", [(1, [3, 0, 5, 1], 0), (2, [2, 5, 0], -1),
+                                               (2, [4, 4], False), (1, [0, 0], 0)])
+def test_stack_padded_pads_each_part_with_the_fill(axis, sizes, fill):
+    """`stack_padded` (the stacked path's padding: one concatenation and one gather) gives
+    each part's rows, then `fill`, as padding every part alone does."""
+    from mlx_v41.model.stacked import stack_padded
+
+    rng = np.random.default_rng(len(sizes))
+    dtype = np.bool_ if isinstance(fill, bool) else np.int32 if fill == -1 else np.uint8
+    parts = []
+    for n in sizes:
+        shape = (1, n, 3) if axis == 1 else (1, 4, n)
+        parts.append(rng.integers(0, 2 if dtype == np.bool_ else 200, shape).astype(dtype))
+    longest = max(sizes)
+    want = np.full((len(sizes),) + ((longest, 3) if axis == 1 else (4, longest)), fill, dtype)
+    for g, part in enumerate(parts):
+        if axis == 1:
+            want[g, :part.shape[1]] = part[0]
+        else:
+            want[g, :, :part.shape[2]] = part[0]
+    got = stack_padded([mx.array(p) for p in parts], fill, axis=axis)
+    assert got.shape == want.shape and np.array_equal(np.array(got), want)

@@ -20,7 +20,7 @@ from . import indexer as indexer_mod
 from .selection import Pool, select_rows
 from .stacked_selection import select_stacked
 from .schedule import FULL, LayerRole
-from .stacked import in_order, split_rows, stack, take_rows
+from .stacked import in_order, split_rows, stack, stack_padded, take_rows
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
 from ..kernels.act_fp8 import ACT_FP8
@@ -197,33 +197,48 @@ class Attention(nn.Module):
         if self.role.mode == FULL:
             self._compress_stacked(x, states)
         q = rope_products(q, self.rope, starts)
+        scale = self.head_dim ** -0.5
+        if SPARSE_ATTENTION.choose() is not None:  # the kernel: every sequence in one launch
+            packed, rows = self._selection_padded(x, qr, qr_fp8, each, states, ctx)
+            out = sparse_attention(q, window, packed, rows, self.sinks, scale, self.window)
+            return self.rope(out, starts, inverse=True, dtype=mx.float32)
         outs, order = [], []
         for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
-            outs.append(self._attend_group(take_rows(q, members), take_rows(window, members),
-                                           picked))
+            outs.append(gathered_attention_ops(take_rows(q, members),
+                                               take_rows(window, members), picked,
+                                               self.sinks, scale, self.window))
             order += members
         out = in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)
 
-    def _attend_group(self, q, window, picked) -> mx.array:
-        """Sparse attention of sequences that select as many rows each (`picked`: their
-        gathered rows, `_selected_groups`): on the ops over the gathered rows as they are; on
-        the kernel with them as each row's packed rows, read in the order of its selection
-        (an empty pick -1), so each row reads the keys of its own call in the same order."""
-        scale = self.head_dim ** -0.5
-        if SPARSE_ATTENTION.choose() is None:
-            return gathered_attention_ops(q, window, picked, self.sinks, scale, self.window)
-        batch, length = q.shape[:2]
-        if picked is None:
-            packed = mx.zeros((batch, 0, packed_row_bytes(self.head_dim)), mx.uint8)
-            rows = mx.zeros((batch, length, 0), mx.int32)
-        else:
-            packed, filled = picked
-            width = packed.shape[2]
-            packed = packed.reshape(batch, length * width, packed.shape[-1])
-            order = mx.arange(length * width, dtype=mx.int32).reshape(1, length, width)
-            rows = mx.where(filled, order, -1)
-        return sparse_attention(q, window, packed, rows, self.sinks, scale, self.window)
+    def _selection_padded(self, x, qr, qr_fp8, each: "_Split", states: list,
+                          ctx: BatchState) -> tuple:
+        """(packed rows [G, T, bytes], selection [G, n, K]) of every stacked sequence for the
+        sparse-attention kernel: each sequence's owner rows padded to the longest (once per
+        owner and call), its picks padded with -1 to the widest. The kernel walks a row's
+        window entries, then its picks in order, in blocks of 64, and an empty entry adds
+        exactly nothing to its running max, sum and accumulator, so each row gets the bits of
+        its own call; the ops cannot pad (their sums run over every key): `_selected_groups`."""
+        role, length = self.role, x.shape[1]
+        width = packed_row_bytes(self.head_dim)
+        if role.ratio == 0:
+            return (mx.zeros((len(states), 0, width), mx.uint8),
+                    mx.zeros((len(states), length, 0), mx.int32))
+        source = role.layer if role.has_indexer else role.topk_owner
+        ids = tuple(map(id, states))
+        key = ("padded", role.kv_owner, source, ids)
+        if key not in ctx.selected:
+            stores = [state.shared[role.kv_owner].store for state in states]
+            owner = ("packed", role.kv_owner, ids)
+            if owner not in ctx.selected:
+                ctx.selected[owner] = stack_padded([
+                    store.packed_rows() if store.count else mx.zeros((1, 0, width), mx.uint8)
+                    for store in stores])
+            selections = self._stacked_rows(x, qr, qr_fp8, each, states)
+            ctx.selected[key] = (ctx.selected[owner], stack_padded([
+                picks if store.count else mx.zeros((1, length, 0), mx.int32)
+                for picks, store in zip(selections, stores)], -1, axis=2))
+        return ctx.selected[key]
 
     def _compress_stacked(self, x: mx.array, states: list) -> None:
         """`compress` of each stacked sequence: the compressor over all of them at once

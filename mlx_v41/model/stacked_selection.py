@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .indexer import NEG_INF, sort_key
-from .stacked import split_rows
+from .stacked import split_rows, stack_padded
 from .selection import Pool, Selection, _membership, _merge, finish
 from ..numerics.quant import unpack_fp4_e8m0
 
@@ -31,7 +31,7 @@ def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: list, starts: tupl
     member [1, n, ceil(T_g / block)])."""
     counts = [keys.shape[1] for keys in packed_keys]
     total, length = max(counts), x.shape[1]
-    keys = unpack_fp4_e8m0(mx.concatenate([_padded(k, total) for k in packed_keys], axis=0))
+    keys = unpack_fp4_e8m0(stack_padded(packed_keys))
     q, weights = indexer.queries(x, qr, starts, rope, qr_fp8)
     positions = mx.array((np.asarray(starts, np.int64)[:, None]
                           + np.arange(length)).astype(np.int32))              # [G, n]
@@ -42,8 +42,7 @@ def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: list, starts: tupl
     if pool is not None and pool.member is None:
         member = _pool_members(scores, complete, pool)
     elif pool is not None:
-        blocks = -(-total // pool.block)
-        given = mx.concatenate([_padded(m, blocks, axis=2) for m in pool.member], axis=0)
+        given = stack_padded(pool.member, False, axis=2)
         scores = mx.where(mx.repeat(given, pool.block, axis=-1)[..., :total], scores, NEG_INF)
     rows = finish(_merge(None, sort_key(scores, 0), topk), total)
     rows = split_rows(rows)
@@ -68,13 +67,3 @@ def _pool_members(scores, complete, pool: Pool) -> mx.array:
     pin = mx.arange(blocks) == newest[..., None]
     best = _merge(None, sort_key(mx.where(pin, float("inf"), block_max), 0), pool.keep)
     return _membership(finish(best, blocks), blocks)
-
-
-def _padded(a: mx.array, size: int, axis: int = 1) -> mx.array:
-    """`a` with zeros (False) appended along `axis` up to `size`."""
-    extra = size - a.shape[axis]
-    if extra == 0:
-        return a
-    shape = list(a.shape)
-    shape[axis] = extra
-    return mx.concatenate([a, mx.zeros(shape, a.dtype)], axis=axis)

@@ -269,7 +269,7 @@ MIXED_RING_CASES = [
 @pytest.mark.parametrize("capacity, width, length, positions", MIXED_RING_CASES)
 def test_swa_ring_update_mixed_rows_bit_exact(capacity, width, length, positions):
     """Batch rows at their own positions in one launch (races and coverage checked): the bytes
-    of the stacked ops, and row b those of a batch-1 call at positions[b]."""
+    of the ops, and row b those of a batch-1 call at positions[b]."""
     batch = len(positions)
     run = ring_kernel("checked")
     for ring_dtype, rows_dtype in ((mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32),
@@ -278,8 +278,6 @@ def test_swa_ring_update_mixed_rows_bit_exact(capacity, width, length, positions
         rows = _mixed_rows(batch, length, width, rows_dtype, length + batch)
         got = run(ring, rows, positions)
         assert got.dtype == ring.dtype and got.shape == ring.shape
-        stacked = ring_mod.stacked_ring_update_ops(ring, rows, positions)
-        np.testing.assert_array_equal(_ring_bytes(got), _ring_bytes(stacked))
         np.testing.assert_array_equal(_ring_bytes(got), _ring_bytes(
             ring_mod.swa_ring_update_ops(ring, rows, positions)))
         each = [ring_mod.swa_ring_update_ops(ring[b:b + 1], rows[b:b + 1], p)
@@ -311,12 +309,12 @@ def test_swa_ring_update_mixed_decode_loop():
 
 
 def test_swa_ring_update_per_row_dispatcher():
-    """Per-row positions without the kernel: the stacked ops (any form of the positions); with
+    """Per-row positions without the kernel: the ops (any form of the positions); with
     one: a single launch; bad per-row input: a one-line ValueError naming the problem."""
     ring = _ring(3, 8, 64, mx.uint8, 5)
     rows = _mixed_rows(3, 2, 64, mx.bfloat16, 5)
     positions = (4, 0, 29)
-    want = _ring_bytes(ring_mod.stacked_ring_update_ops(ring, rows, positions))
+    want = _ring_bytes(ring_mod.swa_ring_update_ops(ring, rows, positions))
     for given in (positions, list(positions), mx.array(positions, mx.int32),
                   mx.array(positions, mx.int64)):
         got = ring_mod.swa_ring_update(ring, rows, given, use_kernel=False)

@@ -26,14 +26,6 @@ from .spec import KernelSpec
 _FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def _surviving(rows: mx.array, offset: int, capacity: int):
-    """The rows that stay in a ring of `capacity` slots, and their slots (no duplicates)."""
-    keep = min(rows.shape[1], capacity)
-    start = offset + rows.shape[1] - keep
-    slots = mx.array(np.arange(start, start + keep) % capacity)  # made on the host: no ops
-    return rows[:, rows.shape[1] - keep:], slots
-
-
 def row_positions(name: str, positions, batch: int) -> Optional[tuple]:
     """None for one int position shared by every batch row; else the B ints of a per-row
     position (a tuple or list of ints, or an int32/int64 mx.array [B] or [B, 1], the form
@@ -85,33 +77,16 @@ def is_packed_ring(ring: mx.array, width: int) -> bool:
 
 def swa_ring_update_ops(ring: mx.array, rows: mx.array, offset) -> mx.array:
     """Reference: ring [B, R, D] float or [B, R, D + D/32] uint8, rows [B, S, D] of positions
-    offset .. offset + S - 1 -> the new ring (pure MLX). A per-row offset (B ints, or an int
-    array [B]) runs `stacked_ring_update_ops`."""
-    if rows.shape[1] == 0:
-        return ring
-    if not isinstance(offset, (int, np.integer)) and (
-            not isinstance(offset, mx.array) or offset.ndim):
-        return stacked_ring_update_ops(ring, rows, offset)
-    offset = int(offset)
-    kept, slots = _surviving(rows, offset, ring.shape[1])
-    if is_packed_ring(ring, rows.shape[-1]):
-        values = pack_fp8_e8m0(kept)
-    else:
-        values = act_fp8_qdq(kept).astype(ring.dtype)
-    index = mx.broadcast_to(slots[None, :, None], values.shape)
-    return mx.put_along_axis(ring, index, values, axis=1)
-
-
-def stacked_ring_update_ops(ring: mx.array, rows: mx.array, positions) -> mx.array:
-    """`swa_ring_update_ops` of G sequences' rings at once (the per-row offset), ops only:
-    ring [G, R, D] float or [G, R, D + D/32] uint8 stacked from theirs, rows [G, S, D], row g's
-    of positions positions[g] .. (G ints, or an int array [G]) -> the new stacked ring, row g
-    the bytes of its own update (when S > R only the last R rows land, as there)."""
+    offset .. offset + S - 1 -> the new ring (pure MLX). `offset` an int, or one per batch
+    row (B ints, or an int array [B] or [B, 1]): row b the bytes of a batch-1 call at
+    offset[b]. When S > R only the last R rows land."""
     length, capacity = rows.shape[1], ring.shape[1]
     if length == 0:
         return ring
+    if isinstance(offset, mx.array):
+        offset = offset.tolist()
     keep = min(length, capacity)
-    first = np.asarray(positions, np.int64).reshape(-1, 1) + (length - keep)
+    first = np.asarray(offset, np.int64).reshape(-1, 1) + (length - keep)  # [1 or B, 1]
     slots = mx.array(((first + np.arange(keep)) % capacity).astype(np.int32))  # host: no ops
     kept = rows[:, length - keep:] if keep < length else rows
     if is_packed_ring(ring, rows.shape[-1]):
@@ -163,8 +138,8 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset, use_kernel: Optional
             last R rows are kept.
         offset: absolute position of rows[:, 0] (>= 0), an int; or per batch row, a tuple or
             list of B ints or an int32/int64 array [B]: row b's rows are of positions
-            offset[b] .. offset[b] + S - 1 (one launch for all rows; the ops are
-            `stacked_ring_update_ops`, row b the bytes of a batch-1 call at offset[b]).
+            offset[b] .. offset[b] + S - 1 (one launch for all rows; row b the bytes of a
+            batch-1 call at offset[b]).
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`SWA_RING_UPDATE.build(factory)`) to use unconditionally,
             e.g. the Metal simulator's in tests.
@@ -182,8 +157,5 @@ def swa_ring_update(ring: mx.array, rows: mx.array, offset, use_kernel: Optional
     run = SWA_RING_UPDATE.choose(use_kernel, run, applies=(
         rows.shape[1] > 0 and rows.dtype in _FLOAT_DTYPES and (packed or ring.dtype == rows.dtype)
         and rows.shape[-1] % ACT_FP8_BLOCK == 0 and (per_row is not None or offset >= 0)))
-    if run is None:
-        if per_row is None:
-            return swa_ring_update_ops(ring, rows, offset)
-        return stacked_ring_update_ops(ring, rows, per_row)
-    return run(ring, rows, offset if per_row is None else per_row)
+    offset = offset if per_row is None else per_row
+    return swa_ring_update_ops(ring, rows, offset) if run is None else run(ring, rows, offset)

@@ -46,14 +46,12 @@ def window_rows_ops(ring: mx.array, rows: mx.array, position, count: int,
     """Reference: the ring's `count` rows before `position`, then `rows`, from row `skip` on
     (pure MLX; arguments as in `window_rows`). A per-row position (B ints, or an int array
     [B]) runs `stacked_window_rows_ops`."""
-    if isinstance(position, mx.array) and position.ndim == 0:
-        position = position.item()
-    if not isinstance(position, (int, np.integer)):
-        if count:
-            rows = stacked_window_rows_ops(ring, rows, position, count)
-        return rows[:, skip:]
-    if count:
+    if isinstance(position, mx.array):
+        position = position.tolist()
+    if count and isinstance(position, (int, np.integer)):
         rows = mx.concatenate([recent_rows(ring, position, count), rows], axis=1)
+    elif count:
+        rows = stacked_window_rows_ops(ring, rows, position, count)
     return rows[:, skip:]
 
 
@@ -129,9 +127,5 @@ def window_rows(ring: mx.array, rows: mx.array, position, count: int, skip: int 
             or count + rows.shape[1] == skip or rows.ndim != 3 or rows.dtype != mx.bfloat16
             or ring.dtype != mx.uint8 or ring.shape[0] != rows.shape[0]
             or width % ACT_FP8_BLOCK or ring.shape[-1] != width + width // ACT_FP8_BLOCK):
-        if per_row is None:
-            return window_rows_ops(ring, rows, position, count, skip)  # also its errors
-        if count:
-            rows = stacked_window_rows_ops(ring, rows, per_row, count)
-        return rows[:, skip:]
+        run = window_rows_ops  # also its errors
     return run(ring, rows, position if per_row is None else per_row, count, skip)

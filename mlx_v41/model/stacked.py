@@ -40,14 +40,13 @@ def stack_padded(parts: list, fill=0, axis: int = 1) -> mx.array:
     longest = max(sizes)
     if len(set(sizes)) == 1:
         return stack(parts)
-    shape = list(parts[0].shape)
-    shape[0], shape[axis] = len(parts), longest
     total = sum(sizes)
     starts = np.cumsum([0, *sizes[:-1]])
     k = np.arange(longest)
     column = np.where(k < np.asarray(sizes)[:, None], starts[:, None] + k, total)  # [G, L]
-    filler = np.full(shape[:axis] + [1] + shape[axis + 1:], fill, _NUMPY[parts[0].dtype])
-    filler = mx.array(filler[:1])  # host-made: no launch
+    shape = list(parts[0].shape)
+    shape[axis] = 1  # one slot of `fill` after the parts, made on the host: no launch
+    filler = mx.array(np.full(shape, fill, _NUMPY[parts[0].dtype]))
     flat = mx.concatenate([p for p, n in zip(parts, sizes) if n] + [filler], axis=axis)[0]
     if axis == 1:  # flat [total + 1, ...]
         return mx.take(flat, mx.array(column.astype(np.int32)), axis=0)

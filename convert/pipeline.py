@@ -14,6 +14,8 @@ import numpy as np
 from tqdm import tqdm
 
 from mlx_v41.checkpoint.converted import MANIFEST
+from mlx_v41.checkpoint.for_mlx_lm import (ENTRY_FILE, ENTRY_SOURCE, entry_config,
+                                           entry_tokenizer_config)
 from mlx_v41.checkpoint.streaming import AUTO, plan_experts, working_set
 from mlx_v41.model.engram_hash import EngramHasher, build_token_map
 from mlx_v41.model.memory import human_bytes, recipe_bytes
@@ -26,6 +28,7 @@ from .writer import Workspace, file_digest, write_atomic, write_file
 DEFAULT_SHARD_SIZE = 5 * 10**9  # bytes per output file (mlx-lm's default)
 TOKEN_MAP = "engram/token_map.npy"
 INDEX = "model.safetensors.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def convert(hf_path, mlx_path="mlx_model", *, quantize: bool = False,
@@ -168,20 +171,31 @@ def _small_files(source: Source, plan: Plan, token_map):
     config = dict(source.config)
     config["quantization"] = plan.quantization
     config["quantization_config"] = plan.quantization  # as mlx-lm writes it
-    yield "config.json", json.dumps(config, indent=2).encode()
+    yield "config.json", json.dumps(entry_config(config), indent=2).encode()
     weights = plan.group("model-") + plan.group("dspark-")
     index = {"metadata": {"total_size": sum(t.nbytes for f in weights for t in f.tensors),
                           "format": "mlx"},
              "weight_map": {t.name: f.name for f in weights for t in f.tensors}}
     yield INDEX, json.dumps(index, indent=2).encode()
     for path in source.tokenizer_files() + [source.folder / "LICENSE"]:
-        if path.is_file():
+        if path.is_file() and path.name != TOKENIZER_CONFIG:
             yield path.name, path.read_bytes()
+    yield from _mlx_lm_entry(source)
     if token_map is not None:
         buffer = io.BytesIO()
         np.save(buffer, token_map)
         yield TOKEN_MAP, buffer.getvalue()
     yield "README.md", _readme(source, plan).encode()
+
+
+def _mlx_lm_entry(source: Source):
+    """The files mlx-lm's commands load the folder through (mlx_v41.checkpoint.for_mlx_lm):
+    the entry module, and tokenizer_config.json naming its tokenizer class."""
+    yield ENTRY_FILE, ENTRY_SOURCE.encode()
+    if (source.folder / "tokenizer.json").is_file():
+        tokenizer_config = source.folder / TOKENIZER_CONFIG
+        yield TOKENIZER_CONFIG, entry_tokenizer_config(
+            tokenizer_config.read_bytes() if tokenizer_config.is_file() else None)
 
 
 def _manifest_fields(source: Source, plan: Plan, token_map, hf_path, revision) -> dict:
@@ -244,6 +258,9 @@ def _readme(source: Source, plan: Plan) -> str:
         f"**{recipe.name}** (float tensors: {recipe.dtype or 'as stored'}).", "",
         "```python", "import mlx_v41", "model = mlx_v41.load_model(\"path/to/this/folder\")",
         "```", "",
+        f"mlx-lm's commands run it through `{ENTRY_FILE}` (mlx_v41 installed): "
+        "`mlx_lm.generate --model path/to/this/folder --trust-remote-code -p \"Hello\"`, "
+        "likewise `mlx_lm.chat` and `mlx_lm.server`.", "",
         f"* weights: {_human(sizes['weights'])} in `model-*.safetensors` (layouts in "
         "config.json `quantization`, mlx-lm's form)",
         f"* DSpark drafter: {_human(sizes['dspark'])} in `dspark-*.safetensors` (same "

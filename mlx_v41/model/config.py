@@ -29,8 +29,9 @@ POSITIVE_TEXT_KEYS = (
     "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
     "max_position_embeddings")
 ROPE_SCALING_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
-# Root keys a config.json may carry that describe the file, not the model: no warning.
-IGNORED_ROOT_KEYS = {"transformers_version"}
+# Root keys a config.json may carry that describe the file, not the model (`model_file`:
+# the entry module mlx-lm loads a converted folder through): no warning.
+IGNORED_ROOT_KEYS = {"transformers_version", "model_file"}
 # Sparse-attention knobs a load may override (`with_overrides`): none changes a weight's shape.
 # The window only shrinks: the weights were trained with the checkpoint's.
 OVERRIDE_KEYS = ("index_topk", "candidate_topk_blocks", "sliding_window")

@@ -26,8 +26,16 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Reports a bad flag or value on one line, as the other commands' parser (`cli.args`,
+    a layer above this package) does."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mlx_v41.convert",
         description="Convert the published DeepSeek V4.1 Flash checkpoint into an MLX model "
                     "folder: streaming, resumable, atomic.")

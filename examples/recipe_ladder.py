@@ -9,7 +9,9 @@ already there) and compares it with the published folder on a text file (docs/qu
 import argparse
 import gc
 import math
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,10 +43,17 @@ def load(path):
     return mlx_v41.load(str(path), dspark=False, vision=False)
 
 
+def step(text):  # progress on stderr, so stdout holds only the table
+    print(f"[{time.perf_counter() - START:6.0f} s] {text}", file=sys.stderr, flush=True)
+
+
+START = time.perf_counter()
+step(f"loading the reference {args.hf_path}")
 model, tokenizer = load(args.hf_path)
 data = make_sequences(tokenizer, read_documents(args.data_path), args.sequence_length,
                       args.num_samples, source=args.data_path)
 prompts = [row[:data.shape[1] // 2].tolist() for row in data[:args.prompts]]
+step(f"reference pass: {data.shape[0]} x {data.shape[1]} tokens, {len(prompts)} prompts")
 record = record_reference(model, data, batch_size=1, kl_top_k=args.kl_top_k, prompts=prompts,
                           max_tokens=args.max_tokens)
 del model
@@ -53,13 +62,15 @@ print(f"{data.shape[0]} x {data.shape[1]} tokens of {args.data_path}; reference:
 print("| recipe | KL mean | top-1 | KL p99 | perplexity (official {:.3f}) | weights GB | decode "
       "tok/s | greedy prefix |\n|---|---|---|---|---|---|---|---|".format(
           math.exp(-record.target_logprob.astype(float).mean())))
-for recipe in args.recipes:
+for number, recipe in enumerate(args.recipes, 1):
     folder = work / recipe
     if not folder.is_dir():
+        step(f"{recipe} ({number}/{len(args.recipes)}): converting into {folder}")
         convert(args.hf_path, folder, drop_vision=True, drop_dspark=True, progress=False,
                 log=lambda line: None, **RECIPES[recipe])
     gc.collect()
     mx.clear_cache()
+    step(f"{recipe} ({number}/{len(args.recipes)}): comparing with the reference")
     r = compare(load(folder)[0], record, batch_size=1)
     size = sum(f.stat().st_size for f in folder.glob("model-*.safetensors")) / 1e9
     print(f"| {recipe} | {r.kl_mean:.6f} | {r.top1_agreement:.4f} | {r.kl_p99:.6f} "

@@ -5,6 +5,7 @@ Tiny golden checkpoint, greedy, a few tokens."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import select
@@ -227,7 +228,7 @@ def test_dspark_command(drafting, loaded, monkeypatch, capsys):
     first, second = out.split("dspark: on")[0], out.split("[dspark off]")[1]
     assert "drafts: " in first and "drafts: " not in second and "dspark: off" in second
     assert session.draft == "dspark" and len(session.messages) == 4
-    assert err.splitlines() == ["error: unknown command '/dspark maybe' (/help lists them)"]
+    assert err.splitlines() == ["error: /dspark takes on or off (nothing: toggle), not 'maybe'"]
     plain = ChatSession(*loaded, thinking=False, max_tokens=3)
     monkeypatch.setattr(sys, "stdin", io.StringIO("/dspark on\nHello\n"))
     assert repl(plain, interactive=False) == 0
@@ -272,6 +273,121 @@ def test_bad_values_name_their_flag(capsys, flag, value):
         main(["--model", str(GOLDEN), flag, value])
     assert exit_info.value.code == 2
     assert f"error: argument {flag}: " in one_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- the REPL's input and output
+
+def run_repl(session, script, capsys, monkeypatch, **options):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    assert repl(session, interactive=False, **options) == 0
+    return capsys.readouterr()
+
+
+def test_switches_name_their_arguments(loaded, capsys, monkeypatch):
+    session = ChatSession(*loaded, thinking=True, max_tokens=1)
+    out, err = run_repl(session, "/thinking maybe\n/reasoning loud\n/thinking off\n",
+                        capsys, monkeypatch)
+    assert err.splitlines() == ["error: /thinking takes on or off (nothing: toggle), not 'maybe'",
+                                "error: /reasoning takes show or hide (nothing: toggle), not "
+                                "'loud'"]
+    assert out.splitlines() == ["[thinking off]", ""] and session.thinking is False
+
+
+def test_errors_are_one_line(loaded, capsys, monkeypatch):
+    """A message that spans lines (MLX's, a file's) is printed on one."""
+    session = ChatSession(*loaded, thinking=False, max_tokens=1)
+
+    def refuse(path):
+        raise CacheError(f"{path}: not a readable prompt-cache file (line one\n  line two)")
+
+    monkeypatch.setattr(session, "load", refuse)
+    _, err = run_repl(session, "/load garbage\n", capsys, monkeypatch)
+    assert err == "error: garbage: not a readable prompt-cache file (line one line two)\n"
+
+
+def test_reasoning_shown_apart_or_hidden(loaded, capsys, monkeypatch):
+    from mlx_v41.cli.chat import View
+
+    model, tokenizer = loaded
+    session, view = ChatSession(model, tokenizer, thinking=True, max_tokens=30), View()
+    for script, shown in (("Hello\n", "[thinking]\nOk\n[answer]\nYes.\n"),
+                          ("/reasoning\nAgain\n", "[reasoning hidden]\nYes.\n"),
+                          ("/reasoning show\n/thinking off\nMore\n",
+                           "[reasoning shown]\n[thinking off]\nOk</think>Yes.\n")):
+        session.sampler = scripted(tokenizer, f"Ok{cf.THINK_END}Yes.")
+        out, err = run_repl(session, script, capsys, monkeypatch, view=view)
+        assert out == shown + "\n" and err == ""
+    assert session.messages[1] == {"role": "assistant", "content": "Yes.",
+                                   "reasoning_content": "Ok"}
+
+
+def test_multi_line_messages(loaded, capsys, monkeypatch):
+    session = ChatSession(*loaded, thinking=False, max_tokens=1)
+    script = '"""\n  indented\n/not a command\n"""\n"""one line"""\n"""first\nlast"""\n' \
+        '"""never\nclosed\n'
+    _, err = run_repl(session, script, capsys, monkeypatch)
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == \
+        ["  indented\n/not a command", "one line", "first\nlast"]
+    assert err == 'error: the input ended inside a """ block; it was not sent\n'
+
+
+class Keyboard:
+    """`input()` over scripted lines (a terminal's, with readline), then Ctrl-D."""
+
+    def __init__(self, lines):
+        self.lines, self.prompts = list(lines), []
+
+    def __call__(self, prompt=""):
+        self.prompts.append(prompt)
+        if not self.lines:
+            raise EOFError
+        return self.lines.pop(0)
+
+
+@pytest.fixture
+def history():
+    """The process's readline history, empty before and after."""
+    readline = pytest.importorskip("readline")
+    readline.clear_history()
+    yield readline
+    readline.clear_history()
+
+
+def history_items(readline) -> list:
+    return [readline.get_history_item(i)
+            for i in range(1, readline.get_current_history_length() + 1)]
+
+
+def test_terminal_input_goes_through_readline(loaded, history, monkeypatch, capsys, tmp_path):
+    """On a terminal the lines come from input() with readline loaded (editing, Ctrl-R): each
+    message is one history entry, a block whole, and --history-file keeps them."""
+    from mlx_v41.cli.chat_input import TerminalLines
+
+    keyboard = Keyboard(["/thinking off", "  Hi  ", "Hi", '"""', "two", 'lines"""', "/stats"])
+    monkeypatch.setattr("builtins.input", keyboard)
+    session = ChatSession(*loaded, thinking=True, max_tokens=1)
+    assert repl(session, interactive=True, lines=TerminalLines(history)) == 0
+    assert history_items(history) == ["/thinking off", "Hi", '"""two\nlines"""', "/stats"]
+    assert keyboard.prompts == [">> ", ">> ", ">> ", ">> ", ".. ", ".. ", ">> ", ">> "]
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == \
+        ["Hi", "Hi", "two\nlines"]
+    history.clear_history()
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    path = tmp_path / "history"
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr("builtins.input", Keyboard(['"""two\nlines"""', "/help"]))
+    assert main(["--model", str(GOLDEN), "-m", "1", "--history-file", str(path)]) == 0
+    assert "/reasoning [show|hide]" in capsys.readouterr().out
+    assert [json.loads(line) for line in path.read_text().splitlines()] == \
+        ['"""two\nlines"""', "/help"]  # one line an entry
+    history.clear_history()
+    monkeypatch.setattr("builtins.input", Keyboard([]))
+    assert main(["--model", str(GOLDEN), "-m", "1", "--history-file", str(path)]) == 0
+    assert history_items(history) == ['"""two\nlines"""', "/help"]  # read back at start
 
 
 # ---------------------------------------------------------------- the REPL as a program

@@ -6,6 +6,7 @@ another tokenizer or vocabulary and bad overrides are refused in one line. On th
 
 import dataclasses
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -218,6 +219,24 @@ def test_cli_errors_are_one_line(tmp_path, capsys, case, message):
     assert code == 1 and len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--sliding-window", "64"], "test model: overrides.sliding_window: 64 exceeds 16"),
+    (["--reference", "{tmp}/none"], "reference: {tmp}/none: model folder not found"),
+    (["--data-path", "{tmp}"], "{tmp}: a directory, not a file"),
+])
+def test_cli_checks_before_loading(tmp_path, capsys, monkeypatch, argv, message):
+    """Refused before the reference pass (and before any load)."""
+    def load(*args, **kwargs):
+        raise AssertionError("a model loads before the arguments are checked")
+
+    monkeypatch.setattr(sys.modules["mlx_v41.cli.compare"], "load", load)
+    path = corpus(tmp_path / "c.jsonl")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    code, _, err = cli(capsys, "--model", GOLDEN, "--data-path", path, *SMALL, *argv)
+    assert code == 1 and err.startswith(f"error: {message.format(tmp=tmp_path)}"), err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--reference-index-topk", "0"], "--reference-index-topk"),
     (["--context-length", "39"], "--context-length"),
@@ -231,10 +250,14 @@ def test_cli_argument_errors(capsys, argv, flag):
 
 
 
-def run_example(name: str, argv: list, monkeypatch, capsys) -> str:
+def run_example(name: str, argv: list, monkeypatch, capsys, err=None) -> str:
+    """The example's stdout (its stderr appended to `err`)."""
     monkeypatch.setattr(sys, "argv", [name, *map(str, argv)])
     runpy.run_path(str(REPO / "examples" / name), run_name="__main__")
-    return capsys.readouterr().out
+    captured = capsys.readouterr()
+    if err is not None:
+        err.append(captured.err)
+    return captured.out
 
 
 @pytest.mark.slow
@@ -251,11 +274,19 @@ def test_topk_sweep_example(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_recipe_ladder_example(tmp_path, monkeypatch, capsys):
     path = corpus(tmp_path / "c.jsonl")
+    err = []
     out = run_example("recipe_ladder.py", [GOLDEN, path, "--recipes", "mxfp8", "mixed_3_8",
                                            "--work-dir", tmp_path / "work",
                                            "--sequence-length", 40, "--num-samples", 2,
                                            "--prompts", 1, "--max-tokens", 3],
-                      monkeypatch, capsys)
+                      monkeypatch, capsys, err)
+    steps = [line.split(" s] ", 1)[1] for line in err[0].splitlines()
+             if re.match(r"\[ *\d+ s\] ", line)]  # "[    12 s] a step"
+    assert steps[:2] == [f"loading the reference {GOLDEN}", "reference pass: 2 x 40 tokens, "
+                         "1 prompts"]
+    assert steps[2:] == [f"{recipe} ({n}/2): {what}" for n, recipe in enumerate(
+        ("mxfp8", "mixed_3_8"), 1) for what in (f"converting into {tmp_path / 'work' / recipe}",
+                                                "comparing with the reference")]
     mxfp8 = [line for line in out.splitlines() if line.startswith("| mxfp8 ")]
     # requantizing to mxfp8 is lossless: the official recipe's logits exactly
     assert len(mxfp8) == 1 and "| 0.000000 | 1.0000 |" in mxfp8[0]

@@ -138,6 +138,20 @@ def test_demo_command_shows_every_stage(demo):
         assert stage in out
 
 
+def test_demo_flags_have_help_and_are_checked(capsys):
+    from mlx_v41.cli.demo import main, setup_arg_parser
+
+    text = " ".join(setup_arg_parser().format_help().split())
+    assert "-p PROMPT, --prompt PROMPT the first user message (default" in text
+    assert "-m MAX_TOKENS, --max-tokens MAX_TOKENS most tokens per reply (default 16)" in text
+    for flags in (["-m", "0"], ["-m", "lots"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(flags)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith("mlx_v41.demo: error: argument -m/--max-tokens: ")
+
+
 def test_generate_command_with_the_demo_model(demo, capsys):
     from mlx_v41.cli.generate import main
 

@@ -424,6 +424,76 @@ def test_console_scripts_and_dispatch(capsys, cached_load):
     assert dispatch(["bogus"]) == 2 and "unknown command" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------- reasoning shown apart
+
+PIECES = ["Let me", " think.</", "think>", "Yes."]  # `</think>` split across two pieces
+
+
+@pytest.fixture
+def scripted_text(monkeypatch, cached_load):
+    """The CLI's stream with PIECES as its texts (the tokens are the model's)."""
+    import dataclasses
+
+    module = sys.modules["mlx_v41.cli.generate"]
+    decode = module.stream_decode
+
+    def scripted(*args, **kwargs):
+        for piece, response in zip(PIECES, decode(*args, **kwargs)):
+            yield dataclasses.replace(response, text=piece)
+
+    monkeypatch.setattr(module, "stream_decode", scripted)
+
+
+@pytest.mark.parametrize("flags, printed", [
+    ((), "[thinking]\nLet me think.\n[answer]\nYes."),
+    (("--hide-thinking",), "Yes."),
+    (("--no-thinking",), "".join(PIECES)),  # chat mode: no reasoning to set apart
+    (("--ignore-chat-template",), "".join(PIECES)),
+])
+def test_cli_prints_the_reasoning_apart(capsys, scripted_text, flags, printed):
+    code, out, _ = run_cli(capsys, "-p", "Hi", "-m", "4", *flags)
+    assert code == 0 and out.split(RULE)[1] == f"\n{printed}\n"
+
+
+def printed(pieces, thinking=True, **options) -> str:
+    import io
+
+    from mlx_v41.cli.reasoning import ReplyPrinter
+
+    out = io.StringIO()
+    printer = ReplyPrinter(out, thinking, **options)
+    for piece in pieces:
+        printer.write(piece)
+    printer.finish()
+    return out.getvalue()
+
+
+def test_reasoning_on_a_terminal_is_dimmed_or_noted():
+    dim, reset = "\x1b[2m", "\x1b[0m"
+    assert printed(PIECES, styled=True) == \
+        f"{dim}Let me{reset}{dim} think.{reset}\n\nYes."
+    assert printed(PIECES, styled=True, show=False) == \
+        f"{dim}thinking...{reset}\r\x1b[2KYes."
+    assert printed(["a</b", "</thi", "nk"], styled=False) == "[thinking]\na</b</think"
+    assert printed(["Why\n</think>", "So."], styled=False) == "[thinking]\nWhy\n[answer]\nSo."
+    assert printed(["</think>So."], styled=False) == "[answer]\nSo."  # no reasoning
+
+
+def test_styles_only_on_a_terminal_without_no_color(monkeypatch):
+    import io
+
+    from mlx_v41.cli.reasoning import is_styled
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert is_styled(Terminal()) and not is_styled(io.StringIO())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not is_styled(Terminal())
+
+
 # ---------------------------------------------------------------- subprocesses
 
 def cli(*args):
@@ -448,3 +518,20 @@ def test_python_m_generate_and_ctrl_c():
     finally:
         process.kill()
     assert process.returncode == 130 and without_plan(err) == "\n[interrupted]\n"
+
+
+@pytest.mark.slow
+def test_every_command_runs_as_a_module(tmp_path):
+    """`python -m mlx_v41.X` for the commands that have no package of their own (run at once:
+    a Python start costs seconds here)."""
+    runs = {name: subprocess.Popen(cli("-m", f"mlx_v41.{name}", *argv)[0],
+                                   env=cli()[1], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, argv in (("inspect", ["--context", "4K"]), ("demo", ["--help"]),
+                               ("perplexity", ["--help"]), ("compare", ["--help"]))}
+    done = {name: (run.communicate(timeout=120), run.returncode) for name, run in runs.items()}
+    for name, ((out, err), code) in done.items():
+        assert code == 0 and "Traceback" not in err, (name, err)
+    assert "one session at 4,096 tokens" in done["inspect"][0][0]
+    for name in ("demo", "perplexity", "compare"):
+        assert done[name][0][0].startswith(f"usage: mlx_v41.{name} "), done[name][0][0]

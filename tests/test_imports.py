@@ -13,11 +13,13 @@ ROOT = Path(__file__).resolve().parents[1] / "mlx_v41"
 CONVERTER = ROOT.parent / "convert"  # the package mlx_v41.convert, by pyproject's package-dir
 
 # The stack, bottom first: each folder (or top-level module) imports only from itself and the
-# layers before it. The `__main__` modules and `mlx_v41/generate.py` are command entry points
-# (the cli layer); `mlx_v41/__init__.py` is the public API on top of everything.
+# layers before it. The `__main__` modules and the top-level command modules
+# (`python -m mlx_v41.generate`, ...) are command entry points (the cli layer);
+# `mlx_v41/__init__.py` is the public API on top of everything.
 STACK = ("errors", "numerics", "kernels", "cache", "model", "generation", "chat", "checkpoint",
          "convert", "distributed", "server", "cli")
-ENTRY_POINTS = {"mlx_v41.generate", "mlx_v41.__main__"}
+ENTRY_POINTS = {"mlx_v41.__main__", *(f"mlx_v41.{command}" for command in
+                                      ("generate", "perplexity", "compare", "inspect", "demo"))}
 
 
 def module_name(path: Path) -> str:

@@ -1,5 +1,6 @@
 """mlx_v41.inspect: bytes per token from the config, the schedule and the memory plan."""
 
+import json
 import re
 import subprocess
 import sys
@@ -52,6 +53,30 @@ def test_cli_prints_schedule_and_plan(capsys):
 def test_cli_reads_a_model_folder(capsys):
     assert main(["--model", str(golden_checkpoint("tiny")), "--context", "4096"]) == 0
     assert "global KV: 106 bytes/token" in capsys.readouterr().out
+
+
+def test_cli_reads_the_demo_model(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # built there, as --model demo does
+    assert main(["--model", "demo", "--context", "4K"]) == 0
+    out = capsys.readouterr().out
+    assert "global KV: 106 bytes/token" in out and "one session at 4,096 tokens" in out
+
+
+def test_context_is_bounded_by_the_models(capsys, tmp_path):
+    config = json.loads((golden_checkpoint("tiny") / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 4096
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["--config", str(path)]) == 0  # the default: the model's context
+    assert "one session at 4,096 tokens" in capsys.readouterr().out
+    for argv, words in ((["--config", str(path), "--context", "8K"], "8,192 tokens exceed the "
+                         "model's context of 4,096 (max_position_embeddings)"),
+                        (["--context", "99999999999"], "context of 1,048,576"),
+                        (["--context", "0"], "not a token count: '0'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and words in err, err
 
 
 @pytest.mark.slow
@@ -258,3 +283,14 @@ def test_convert_dry_run_prints_the_memory_plan(tmp_path, capsys, monkeypatch):
     assert "this machine: experts: streamed from SSD, 400.00 KB of 737.28 KB in memory" in \
         capsys.readouterr().out
     assert not (tmp_path / "m").exists()
+
+
+def test_convert_bad_flag_values_are_one_line(capsys):
+    from mlx_v41.convert.cli import main as convert_main
+
+    for flags in (["--shard-size", "lots"], ["--q-bits", "many"]):
+        with pytest.raises(SystemExit) as exit_info:
+            convert_main(["--hf-path", "x", *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"mlx_v41.convert: error: argument {flags[0]}: ")

@@ -191,6 +191,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys, argv, words):
     assert err.strip().splitlines()[-1].startswith("error: ")
 
 
+def test_cli_checks_the_data_file_before_loading(tmp_path, capsys, monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model loads before the data file is checked")
+
+    monkeypatch.setattr(sys.modules["mlx_v41.cli.perplexity"], "load", load)
+    for path, words in ((tmp_path / "nope.txt", "file not found"),
+                        (tmp_path, "a directory, not a file")):
+        assert main(["--model", str(GOLDEN), "--data-path", str(path)]) == 1
+        assert capsys.readouterr().err == f"error: {path}: {words}\n"
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--context-length", "512"], "--context-length"),
     (["--num-samples", "0"], "--num-samples"),

@@ -228,6 +228,14 @@ def add_model_arguments(parser, default_max_tokens: int, default_seed) -> None:
              "confidence stays >= this, in (0, 1] (default: all --num-draft-tokens)")
 
 
+def add_hide_thinking_argument(parser) -> None:
+    """`--hide-thinking` (`mlx_v41.generate`, `mlx_v41.chat`): the reply's reasoning not printed."""
+    parser.add_argument("--hide-thinking", action="store_true",
+                        help="thinking mode: print the answer only (the reasoning is shown by "
+                             "default: dimmed on a terminal; elsewhere after a line [thinking], "
+                             "the answer after a line [answer])")
+
+
 def make_sampler_from(args):
     from mlx_lm.sample_utils import make_sampler
 

@@ -1,4 +1,6 @@
-"""`mlx_v41.chat`: the chat REPL over a `ChatSession` (commands, Ctrl-C, scripted stdin).
+"""`mlx_v41.chat`: the chat REPL over a `ChatSession` (commands, Ctrl-C, scripted stdin; line
+editing, history and multi-line messages in `chat_input`, the reasoning shown apart in
+`reasoning`).
 
     mlx_v41.chat --model demo
     mlx_v41.chat --model path/to/DeepSeek-V4.1-Flash --no-thinking
@@ -9,14 +11,15 @@
 from __future__ import annotations
 
 import os
-import select
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .args import (ArgumentParser, add_model_arguments, decode_settings, load_options,
-                   report_experts)
+from .args import (ArgumentParser, add_hide_thinking_argument, add_model_arguments,
+                   decode_settings, load_options, report_experts)
+from .chat_input import BLOCK, StreamLines, read_message, stream_readline, terminal_lines
+from .reasoning import ReplyPrinter
 from ..checkpoint.source import load
 from ..chat.session import DEFAULT_MAX_TOKENS, ChatSession, format_stats
 from ..distributed.chat import SharedChatSession
@@ -28,19 +31,32 @@ from ..generation.group import ONE_PROCESS
 DEFAULT_SEED = 0
 
 
-SIGNAL_POLL_SECONDS = 0.2  # how long a wait for input may hide a Ctrl-C
+HELP = f"""commands:
+  /help (h)               this list
+  /reset (r)              start a new conversation
+  /save PATH              save the session (prompt cache + transcript)
+  /load PATH              load a saved session
+  /stats                  statistics of the last turn
+  /image PATH             attach an image (path, URL or data: URI) to the next message
+  /thinking [on|off]      toggle thinking mode
+  /reasoning [show|hide]  show or hide the reasoning of thinking-mode replies
+  /dspark [on|off]        toggle DSpark speculative decoding (needs --dspark)
+  /quit (q)               leave (also Ctrl-D); Ctrl-C stops a reply
+a line starting with {BLOCK} opens a multi-line message, a line ending with {BLOCK} sends it;
+arrow keys, Ctrl-R: line editing and the history (where Python has readline)"""
 
 
-HELP = """commands:
-  /help  (h)            this list
-  /reset (r)            start a new conversation
-  /save PATH            save the session (prompt cache + transcript)
-  /load PATH            load a saved session
-  /stats                statistics of the last turn
-  /image PATH           attach an image (path, URL or data: URI) to the next message
-  /thinking [on|off]    toggle thinking mode
-  /dspark [on|off]      toggle DSpark speculative decoding (needs --dspark)
-  /quit  (q)            leave (also Ctrl-D); Ctrl-C stops a reply"""
+# The arguments of the switches (none: toggle).
+SWITCHES = {"/thinking": ("on", "off"), "/dspark": ("on", "off"),
+            "/reasoning": ("show", "hide")}
+
+
+@dataclass
+class View:
+    """How replies are shown: the reasoning or not; ANSI styles (None: on a terminal)."""
+
+    show_reasoning: bool = True
+    styled: Optional[bool] = None
 
 
 @dataclass
@@ -54,9 +70,10 @@ class Ranks:
     rank: int
 
 
-def run_command(session: ChatSession, line: str, out, err=None) -> bool:
+def run_command(session: ChatSession, line: str, out, err=None,
+                view: Optional[View] = None) -> bool:
     """Carry out a /command; False means quit."""
-    err = err or sys.stderr
+    err, view = err or sys.stderr, view or View()
     name, _, arg = line.partition(" ")
     name, arg = {"q": "/quit", "r": "/reset", "h": "/help"}.get(name, name), arg.strip()
     if name in ("/quit", "/exit"):
@@ -66,6 +83,9 @@ def run_command(session: ChatSession, line: str, out, err=None) -> bool:
     elif name == "/reset":
         session.reset()
         print("[new conversation]", file=out)
+    elif name in SWITCHES and arg not in ("", *SWITCHES[name]):
+        print(f"error: {name} takes {' or '.join(SWITCHES[name])} (nothing: toggle), not "
+              f"{arg!r}", file=err)
     elif name in ("/save", "/load", "/image") and not arg:
         print(f"error: {name} needs a {'file path' if name != '/image' else 'path or URL'}",
               file=err)
@@ -81,10 +101,13 @@ def run_command(session: ChatSession, line: str, out, err=None) -> bool:
         print(f"[image {arg} attached to the next message]", file=out)
     elif name == "/stats":
         print(format_stats(session), file=out)
-    elif name == "/thinking" and arg in ("", "on", "off"):
+    elif name == "/thinking":
         session.thinking = {"on": True, "off": False}.get(arg, not session.thinking)
         print(f"[thinking {'on' if session.thinking else 'off'}]", file=out)
-    elif name == "/dspark" and arg in ("", "on", "off"):
+    elif name == "/reasoning":
+        view.show_reasoning = {"show": True, "hide": False}.get(arg, not view.show_reasoning)
+        print(f"[reasoning {'shown' if view.show_reasoning else 'hidden'}]", file=out)
+    elif name == "/dspark":
         switch_dspark(session, arg, out)
     else:
         print(f"error: unknown command {line!r} (/help lists them)", file=err)
@@ -101,83 +124,63 @@ def switch_dspark(session: ChatSession, arg: str, out) -> None:
     print(f"[dspark {'on' if is_on else 'off'}]", file=out)
 
 
-class LineReader:
-    """Lines from a file descriptor, waiting in short select() slices. A Ctrl-C that the kernel
-    hands to one of MLX's threads would not interrupt a read() blocked in the main thread (only
-    the main thread runs Python's handlers); here the main thread notices it within a slice."""
-
-    def __init__(self, fd: int):
-        self.fd, self.pending = fd, b""
-
-    def readline(self) -> Optional[str]:
-        """The next line without its newline; None at the end of input."""
-        while b"\n" not in self.pending:
-            if not select.select([self.fd], [], [], SIGNAL_POLL_SECONDS)[0]:
-                continue
-            chunk = os.read(self.fd, 4096)
-            if not chunk:  # end of input (Ctrl-D on an empty terminal line)
-                line, self.pending = self.pending, b""
-                return line.decode(errors="replace") if line else None
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return line.decode(errors="replace")
-
-
-def _lines(stream):
-    """A readline() for `stream`: a LineReader on its descriptor, or its own readline()."""
-    try:
-        return LineReader(stream.fileno()).readline
-    except (AttributeError, OSError, ValueError):  # e.g. io.StringIO in tests
-        def readline():
-            line = stream.readline()
-            return line.removesuffix("\n") if line else None
-        return readline
-
-
 def repl(session: ChatSession, interactive: bool, out=None, stream=None,
-         ranks: Optional[Ranks] = None) -> int:
-    """Read messages and /commands until /quit, end of input or Ctrl-C at the prompt. Under
-    `ranks` every rank runs it on rank 0's lines, and Ctrl-C during a reply is raised (it ends
-    every rank: the others are inside the reply's collectives)."""
-    out = out or sys.stdout
+         ranks: Optional[Ranks] = None, lines=None, view: Optional[View] = None) -> int:
+    """Read messages and /commands until /quit, end of input or Ctrl-C at the prompt, from
+    `lines` (`chat_input.TerminalLines`; default: `stream`, stdin, read a line at a time).
+    Under `ranks` every rank runs it on rank 0's lines, and Ctrl-C during a reply is raised (it
+    ends every rank: the others are inside the reply's collectives)."""
+    out, view = out or sys.stdout, view or View()
     err = ranks.err if ranks else sys.stderr
-    readline = ranks.readline if ranks else _lines(stream or sys.stdin)
+    if ranks or lines is None:
+        lines = StreamLines(ranks.readline if ranks else stream_readline(stream or sys.stdin),
+                            out)
     if interactive:
         ctrl_c = f"Ctrl-C ends every rank ({ranks.switch})" if ranks else "Ctrl-C stops a reply"
         print(f"mlx_v41.chat: /help lists the commands; {ctrl_c}, Ctrl-D quits.", file=out)
     while True:
         try:
-            print(">> " if interactive else "", end="", file=out, flush=True)
-            line = readline()
+            message = read_message(lines, interactive, out, err)
         except KeyboardInterrupt:
-            line = None
-        if line is None:
+            message = None
+        if message is None:
             print(file=out)
             return 0
-        line = line.strip()
-        if not line:
+        if not message.text:
             continue
         try:
-            if line.startswith("/") or line in ("q", "r", "h"):
-                if not run_command(session, line, out, err):
+            if not message.is_block and (message.text.startswith("/") or
+                                         message.text in ("q", "r", "h")):
+                if not run_command(session, message.text, out, err, view):
                     return 0
                 continue
-            for response in session.reply(line):
-                print(response.text, end="", flush=True, file=out)
-            print(file=out)
+            print_reply(session, message.text, out, view)
         except KeyboardInterrupt:
             if ranks:
                 raise
             session.interrupt()
             print("\n[interrupted]", file=out, flush=True)
         except (ValueError, OSError) as e:  # bad command argument, prompt too long, bad file
-            print(f"error: {e}", file=err, flush=True)
+            print(f"error: {' '.join(str(e).split())}", file=err, flush=True)
+
+
+def print_reply(session: ChatSession, text: str, out, view: View) -> None:
+    """Stream the reply to `text`, its reasoning apart from the answer (`cli.reasoning`)."""
+    printer = ReplyPrinter(out, session.thinking, view.show_reasoning, view.styled)
+    for response in session.reply(text):
+        printer.write(response.text)
+    printer.finish()
+    print(file=out)
 
 
 def setup_arg_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mlx_v41.chat",
                             description="Chat with DeepSeek V4.1 Flash (multi-turn, cached).")
     add_model_arguments(parser, DEFAULT_MAX_TOKENS, DEFAULT_SEED)
+    add_hide_thinking_argument(parser)
+    parser.add_argument("--history-file", default=None, metavar="PATH",
+                        help="on a terminal: keep the input history in PATH across sessions, "
+                             "e.g. ~/.mlx_v41_history (default: in memory for this session)")
     add_distributed_arguments(parser)
     return parser
 
@@ -185,7 +188,7 @@ def setup_arg_parser() -> ArgumentParser:
 def group_ranks(args, group) -> Ranks:
     """`Ranks` for a model loaded over a group (`group`: its `RankGroup`)."""
     link = group.link
-    local = _lines(sys.stdin) if link.rank == 0 else None
+    local = stream_readline(sys.stdin) if link.rank == 0 else None
     from ..distributed.lines import shared_readline
 
     return Ranks(shared_readline(link, local),
@@ -221,8 +224,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError, DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    lines = terminal_lines(args.history_file) if ranks is None and sys.stdin.isatty() else None
     try:
-        return repl(session, interactive=sys.stdin.isatty(), ranks=ranks)
+        return repl(session, interactive=sys.stdin.isatty(), ranks=ranks, lines=lines,
+                    view=View(show_reasoning=not args.hide_thinking))
     except KeyboardInterrupt:  # only under a group: the other ranks end as this one leaves
         print(f"\n[interrupted: Ctrl-C ends every rank under {ranks.switch}]", file=ranks.err,
               flush=True)
@@ -235,3 +240,6 @@ def main(argv=None) -> int:
             raise
         print(f"error: rank {ranks.rank}: lost a rank during the reply ({e})", file=sys.stderr)
         return 1
+    finally:
+        if lines is not None:
+            lines.close()  # writes --history-file

@@ -18,11 +18,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint.source import load
+from ..checkpoint.source import load, resolve_model_path
 from ..generation.api import DEFAULT_PREFILL_STEP_SIZE
 from ..generation.compare import (DEFAULT_KL_TOP_K, check_same_tokens, compare,
                                   record_reference)
 from ..generation.perplexity import make_sequences, read_documents
+from ..model.config import ModelArgs, with_overrides
 from ..model.layers import HEAD_DTYPES
 from ..model.model import PREFILL_MODES
 from .args import (EXPERT_MEMORY_HELP, HEAD_DTYPE_HELP, PREFILL_MODE_HELP, ArgumentParser,
@@ -119,6 +120,16 @@ def _check_args(parser, args) -> None:
                      f"--sequence-length {args.sequence_length}")
 
 
+def check_side(label: str, path: str, settings: dict) -> None:
+    """A side's folder, config and overrides, checked before any weights load (so a bad one
+    is refused in a second, not after the reference pass)."""
+    try:
+        folder = resolve_model_path(path)
+        with_overrides(ModelArgs.from_file(folder / "config.json"), settings["overrides"])
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
+
+
 def _load(label: str, path: str, settings: dict):
     print(f"Loading the {label} from {path}...", file=sys.stderr)
     try:
@@ -129,16 +140,18 @@ def _load(label: str, path: str, settings: dict):
     return model, tokenizer
 
 
-def _sequences(args, tokenizer) -> np.ndarray:
-    return np.array(make_sequences(tokenizer, read_documents(args.data_path),
-                                   args.sequence_length, args.num_samples, args.seed,
-                                   args.data_path))
+def _sequences(args, tokenizer, documents: list) -> np.ndarray:
+    return np.array(make_sequences(tokenizer, documents, args.sequence_length,
+                                   args.num_samples, args.seed, args.data_path))
 
 
 def run(args) -> int:
     reference_path = args.reference or args.model
+    documents = read_documents(args.data_path)
+    check_side("reference", reference_path, side_settings(args, "reference-"))
+    check_side("test model", args.model, side_settings(args))
     model, tokenizer = _load("reference", reference_path, side_settings(args, "reference-"))
-    data = _sequences(args, tokenizer)
+    data = _sequences(args, tokenizer, documents)
     prompts = [row[:args.prompt_length].tolist() for row in data[:args.prompts]]
     print(f"Reference: {data.shape[0]} samples of {data.shape[1]} tokens", file=sys.stderr)
     record = record_reference(model, mx.array(data), context=args.context_length,
@@ -149,7 +162,7 @@ def run(args) -> int:
     gc.collect()
     mx.clear_cache()
     model, tokenizer = _load("test model", args.model, side_settings(args))
-    check_same_tokens(_sequences(args, tokenizer), data)
+    check_same_tokens(_sequences(args, tokenizer, documents), data)
     result = compare(model, record, batch_size=args.batch_size,
                      step_size=args.prefill_step_size)
     out = {"model": args.model, "reference": reference_path,

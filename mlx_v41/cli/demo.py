@@ -8,12 +8,15 @@ format, prefill, decode, cache reuse and byte counts.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Optional
+
 from ..checkpoint.demo import ensure_demo_checkpoint
+from .args import ArgumentParser, _number, run_command, utf8_flag
+
+DEFAULT_PROMPT = "Hello! What is two plus two?"
+DEFAULT_MAX_TOKENS = 16
 
 
 def _stage(number: int, text: str) -> None:
@@ -64,17 +67,23 @@ def run_demo(prompt: str, max_tokens: int, folder: Optional[Path], rebuild: bool
     print("next: mlx_v41.chat --model demo, or --model <the real checkpoint>")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx_v41.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("-p", "--prompt", default="Hello! What is two plus two?")
-    parser.add_argument("-m", "--max-tokens", type=int, default=16)
-    parser.add_argument("--folder", type=Path, default=None,
-                        help="where to build the demo checkpoint (default ~/.cache/mlx_v41)")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the checkpoint")
-    args = parser.parse_args(argv)
-    try:
-        run_demo(args.prompt, args.max_tokens, args.folder, args.rebuild)
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
+def setup_arg_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mlx_v41.demo", description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("-p", "--prompt", type=utf8_flag, default=DEFAULT_PROMPT,
+        help=f"the first user message (default {DEFAULT_PROMPT!r})")
+    add("-m", "--max-tokens", type=_number(int, 1, what="a positive integer"),
+        default=DEFAULT_MAX_TOKENS, help=f"most tokens per reply (default {DEFAULT_MAX_TOKENS})")
+    add("--folder", type=Path, default=None,
+        help="where to build the demo checkpoint (default ~/.cache/mlx_v41)")
+    add("--rebuild", action="store_true", help="rebuild the checkpoint")
+    return parser
+
+
+def run(args) -> int:
+    run_demo(args.prompt, args.max_tokens, args.folder, args.rebuild)
     return 0
+
+
+def main(argv=None) -> int:
+    return run_command(run, setup_arg_parser().parse_args(argv))  # Ctrl-C, a bad --folder

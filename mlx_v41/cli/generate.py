@@ -6,7 +6,7 @@
     mlx_v41.generate --model path/to/DeepSeek-V4.1-Flash --image cat.png -p "What is this?"
 
 Prompts are rendered with the V4.1 chat format; generation stops on EOS and the end-of-turn
-tokens.
+tokens. In thinking mode the reasoning is printed apart from the answer (`cli.reasoning`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import mlx.core as mx
 
 from ..cache.layer import CacheError
 from ..checkpoint.source import DEMO, load
-from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_model_arguments,
-                   decode_settings, load_options, report_experts, utf8_flag,
-                   utf8_problem)
+from .args import (ArgumentParser, DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, add_hide_thinking_argument,
+                   add_model_arguments, decode_settings, load_options, report_experts,
+                   utf8_flag, utf8_problem)
+from .reasoning import ReplyPrinter
 from ..generation.api import GenerationResponse, prefill, print_stats, stream_decode, wired_limit
 from ..generation.prompt_reuse import (PromptCache, prompt_cache_exists, read_prompt_cache,
                                        reuse_prompt_cache, write_prompt_cache)
@@ -39,7 +40,9 @@ def setup_arg_parser() -> ArgumentParser:
     parser.add_argument("-p", "--prompt", type=utf8_flag, default=DEFAULT_PROMPT,
                         help="the user message ('-' reads it from stdin)")
     parser.add_argument("--ignore-chat-template", action="store_true",
-                        help="use the prompt text as is (BOS added when missing)")
+                        help="use the prompt text as is (BOS added when missing; the reply is "
+                             "printed as is, reasoning not set apart)")
+    add_hide_thinking_argument(parser)
     parser.add_argument("--prompt-cache-file", default=None,
                         help="prompt cache file (mlx_v41 format, any name, e.g. a saved chat "
                              "session made with the same model, --prefill-mode, --dspark "
@@ -138,10 +141,13 @@ def _reply(args, model, tokenizer, group) -> Optional[GenerationResponse]:
                             "model": str(args.model)}, group)
     print("=" * 10, flush=True)
     response = None
+    printer = ReplyPrinter(sys.stdout, args.thinking and not args.ignore_chat_template,
+                           show=not args.hide_thinking)
     for response in stream_decode(model, tokenizer, logits, state.cache, prompt_tokens=len(todo),
                                   prompt_seconds=seconds, max_tokens=args.max_tokens,
                                   history=todo, group=group, **decode_settings(args)):
-        print(response.text, end="", flush=True)
+        printer.write(response.text)
+    printer.finish()
     print()
     return response
 

@@ -21,6 +21,8 @@ from typing import Optional
 
 from ..cache.layer import RING_FACTOR, rollback_limit
 from ..checkpoint.converted import read_manifest
+from ..checkpoint.demo import ensure_demo_checkpoint
+from ..checkpoint.source import DEMO
 from ..checkpoint.streaming import (AUTO, KV_RESERVE_FRACTION, KV_RESERVE_TOKENS, ExpertPlan,
                                     plan_experts)
 from ..errors import CheckpointError
@@ -42,10 +44,11 @@ DEFAULT_HIT_RATE = 0.8
 def parse_count(text: str) -> int:
     """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096 (token counts are binary)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
-    if not m:
+    count = int(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]) \
+        if m else 0
+    if count < 1:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 64K, 1M)")
-    scale = {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    return count
 
 
 def parse_bytes(text: str) -> int:
@@ -282,11 +285,12 @@ def mac_table_notes() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="mlx_v41.inspect", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="model folder (reads its config.json)")
+    source.add_argument("--model", help="model folder (reads its config.json), or 'demo'")
     source.add_argument("--config", help="a config.json file")
     add = parser.add_argument
-    add("--context", type=parse_count, default=parse_count("1M"),
-        help="context length for the memory plan (default 1M)")
+    add("--context", type=parse_count, default=None,
+        help="context length for the memory plan, at most the model's (default: the model's "
+             "max_position_embeddings, 1M)")
     add("--memory", type=parse_bytes, default=None,
         help="the machine's memory, e.g. 128GB: sessions and expert budgets that fit (the "
              f"plan uses {MAC_WORKING_SET_FRACTION:.0%} of it, a Mac's working set)")
@@ -302,22 +306,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    ns = build_parser().parse_args(argv)
-    path = official_config_path()
-    if ns.model:
-        path = f"{ns.model}/config.json"
-    elif ns.config:
-        path = ns.config
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     try:
-        args = ModelArgs.from_file(path)
-    except ConfigError as e:
+        folder = str(ensure_demo_checkpoint()) if ns.model == DEMO else ns.model
+        args = ModelArgs.from_file(f"{folder}/config.json" if folder else
+                                   ns.config or official_config_path())
+    except (ConfigError, OSError) as e:  # OSError: the demo checkpoint could not be written
         print(f"error: {e}", file=sys.stderr)
         return 2
     if ns.mac_table:
         print(mac_table(args) + "\n\n" + mac_table_notes())
         return 0
-    print(report(args, ns.context, ns.memory, ns.sessions, ns.hit_rate, ns.ssd_bandwidth,
-                 own_recipe(args, ns.model)))
+    limit = args.text_config.max_position_embeddings
+    if ns.context is not None and ns.context > limit:
+        parser.error(f"argument --context: {ns.context:,} tokens exceed the model's context of "
+                     f"{limit:,} (max_position_embeddings)")
+    context = limit if ns.context is None else ns.context
+    print(report(args, context, ns.memory, ns.sessions, ns.hit_rate, ns.ssd_bandwidth,
+                 own_recipe(args, folder)))
     return 0
 
 

@@ -70,6 +70,7 @@ def _check_args(parser, args) -> None:
 
 
 def run(args) -> int:
+    documents = read_documents(args.data_path)  # a bad file is refused before the model loads
     print(f"Loading model from {args.model}...", file=sys.stderr)
     if args.model == DEMO:
         print("demo model: a tiny random checkpoint, so its perplexity is near the vocabulary "
@@ -77,7 +78,7 @@ def run(args) -> int:
     model, tokenizer = load(args.model, prefill_mode=args.prefill_mode, dspark=False,
                             vision=False, head_dtype=args.head_dtype, **load_options(args))
     report_experts(model)
-    data = make_sequences(tokenizer, read_documents(args.data_path), args.sequence_length,
+    data = make_sequences(tokenizer, documents, args.sequence_length,
                           args.num_samples, args.seed, args.data_path)
     print(f"Loaded {data.shape[0]} samples of {data.shape[1]} tokens from {args.data_path}",
           file=sys.stderr)

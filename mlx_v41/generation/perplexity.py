@@ -43,6 +43,8 @@ def read_documents(path) -> list:
     """The documents of a corpus file: each line's "text" of a `.jsonl` file (blank lines
     skipped), else the whole file as one text. UTF-8 only."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: a directory, not a file")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     raw = path.read_bytes()

@@ -33,7 +33,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 OPERATIONS = ["POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
               "POST /v1/messages/count_tokens", "POST /v1/responses",
               "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
-              "GET /v1/models", "GET /health", "GET /metrics"]
+              "GET /v1/models", "GET /health", "GET /metrics", "POST /api/chat",
+              "POST /api/generate", "GET /api/tags", "POST /api/show", "GET /api/ps",
+              "GET /api/version"]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,10 @@ def bounded(case) -> None:
             body[key] = MAX_TOKENS
     if isinstance(body.get("n"), (int, float)) and body["n"] > MAX_CHOICES:
         body["n"] = MAX_CHOICES
+    options = body.get("options")  # Ollama's num_predict (0 or less: the server's default)
+    if isinstance(options, dict) and isinstance(options.get("num_predict"), (int, float)) \
+            and options["num_predict"] > MAX_TOKENS:
+        options["num_predict"] = MAX_TOKENS
 
 
 def test_every_operation_is_fuzzed(api_schema):

@@ -88,6 +88,9 @@ def setup_arg_parser() -> ArgumentParser:
         help="a browser origin allowed to call the server (CORS), e.g. "
              "https://app.example.com; repeat for several; * allows any (default: none, "
              "CORS off)")
+    add("--no-web", dest="web", action="store_false",
+        help="serve no chat page at / (default: the page, which asks for the API key when "
+             "the server has keys)")
     add("--prompt-cache-bytes", type=parse_size, default=parse_size(DEFAULT_PROMPT_CACHE_BYTES),
         help="bytes of cached prompt prefixes kept in memory, least recently used dropped "
              f"first (default {DEFAULT_PROMPT_CACHE_BYTES}; 0 turns reuse off; across "
@@ -191,7 +194,7 @@ def build_app(args, keys=(), loader=None):
                           system_prompt=args.system_prompt,
                           max_image_bytes=args.max_image_bytes,
                           max_prompt_tokens=args.max_prompt_tokens,
-                          keepalive_seconds=args.keepalive_seconds)
+                          keepalive_seconds=args.keepalive_seconds, web=args.web)
     app = create_app(engine, config, api_keys=keys, allowed_origins=args.allowed_origins)
     app.state.responses = ResponseStore(args.max_stored_responses)
     return app

@@ -1,8 +1,9 @@
 """The FastAPI app: every API's routes (OpenAI chat completions and completions in openai/,
-Responses in responses/, Anthropic Messages in anthropic/) over one engine, `GET /v1/models`
-and `GET /health`, and the errors of every route in its API's shape (a failure no handler took
-becomes a 500 in that shape); API keys, CORS and the drain's 503s are middleware over every
-route (auth.py, lifecycle.py), and `create_loading_app` answers while the model loads.
+Responses in responses/, Anthropic Messages in anthropic/, Ollama's API in ollama/) over
+one engine, `GET /v1/models`, `GET /health` and the chat page at `/` (web/), and the errors
+of every route in its API's shape (a failure no handler took becomes a 500 in that shape);
+API keys, CORS and the drain's 503s are middleware over every route (auth.py, lifecycle.py),
+and `create_loading_app` answers while the model loads.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from .anthropic import routes as anthropic_routes
-from .auth import add_cors, add_keys
+from .auth import OPEN_PATHS, add_cors, add_keys
 from .engine import Engine, EngineBusy, EngineClosed
 from .bodies import ERROR_STATUSES
 from .errors import ErrorBody, RequestError, error_body
+from .ollama import routes as ollama_routes
 from .openai import routes as openai_routes
 from .responses import routes as responses_routes
+from .web import routes as web_routes
 from .metrics import RequestMetrics, ServerMetrics
 from .lifecycle import LOADING, READY, Gate, Lifecycle
 from .serving import ServerConfig
@@ -44,7 +47,8 @@ def create_app(engine: Engine, config: ServerConfig,
 
     `logits_processors(request, prompt_ids)`, when given, returns extra mlx-lm logits
     processors for a request (an embedding application's hook, e.g. constrained decoding).
-    `api_keys`: every route but `GET /health` needs one of them (none: no check);
+    `api_keys`: every route but `GET /health` (and the chat page's files, which
+    `config.web` serves) needs one of them (none: no check);
     `allowed_origins`: the browser origins CORS allows ("*": any; none: CORS off).
     """
     lifecycle = Lifecycle(engine)
@@ -60,7 +64,8 @@ def create_app(engine: Engine, config: ServerConfig,
     app.state.logits_processors = logits_processors
     app.state.lifecycle = lifecycle
     _add_error_handlers(app)
-    _add_access(app, lambda: lifecycle.phase, api_keys)
+    _add_access(app, lambda: lifecycle.phase, api_keys,
+                OPEN_PATHS | web_routes.PATHS if config.web else OPEN_PATHS)
     _add_metrics(app, engine)
     add_cors(app, allowed_origins)  # outermost: a preflight, which carries no key, is answered
     _add_routes(app)
@@ -88,17 +93,21 @@ def _refusal(scope, status: int, message: str, headers: Optional[dict] = None,
     if scope["path"].startswith(anthropic_routes.PATH):
         return JSONResponse(anthropic_routes.error_body(status, message), status_code=status,
                             headers=headers)
+    if scope["path"].startswith(ollama_routes.PATH):
+        return JSONResponse(ollama_routes.error_body(message), status_code=status,
+                            headers=headers)
     return JSONResponse(error_body(message, **fields), status_code=status, headers=headers)
 
 
-def _add_access(app: FastAPI, phase: Callable[[], str], api_keys) -> None:
+def _add_access(app: FastAPI, phase: Callable[[], str], api_keys,
+                open_paths=OPEN_PATHS) -> None:
     """The 503s of a server not ready (loading, draining) inside the key check (a 401 comes
-    first, and tells nothing of the server's state)."""
+    first, and tells nothing of the server's state); `open_paths` need no key."""
     app.add_middleware(Gate, phase=phase, refuse=lambda scope, message, code: _refusal(
         scope, 503, message, kind="server_error", code=code))
     add_keys(app, api_keys, refuse=lambda scope, message: _refusal(
         scope, 401, message, {"WWW-Authenticate": "Bearer"}, kind="invalid_request_error",
-        code="invalid_api_key"))
+        code="invalid_api_key"), open_paths=open_paths)
 
 
 def _error(status: int, message: str, **fields) -> JSONResponse:
@@ -109,10 +118,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     def error(request, status: int, message: str, headers: Optional[dict] = None,
               details: Optional[dict] = None, **fields) -> JSONResponse:
         """OpenAI's error shape, or Anthropic's (with its `details`) under its Messages API's
-        paths."""
+        paths, or Ollama's under its API's."""
         if request.url.path.startswith(anthropic_routes.PATH):
             return JSONResponse(anthropic_routes.error_body(status, message, details),
                                 status_code=status, headers=headers)
+        if request.url.path.startswith(ollama_routes.PATH):
+            return JSONResponse(ollama_routes.error_body(message), status_code=status,
+                                headers=headers)
         response = _error(status, message, **fields)
         response.headers.update(headers or {})
         return response
@@ -242,5 +254,8 @@ def _add_routes(app: FastAPI) -> None:
     openai_routes.add_routes(app)
     anthropic_routes.add_routes(app)
     responses_routes.add_routes(app)
+    ollama_routes.add_routes(app)
+    if app.state.config.web:
+        web_routes.add_routes(app)
 
 

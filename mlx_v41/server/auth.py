@@ -1,8 +1,9 @@
 """API keys and CORS, as middleware over every route: a request to any path but `GET /health`
-must carry one of the server's keys, as OpenAI's clients send it (`Authorization: Bearer KEY`)
-or as Anthropic's do (`x-api-key: KEY`); browsers' cross-origin requests are allowed only from
-the origins named (Starlette's `CORSMiddleware`, outside the key check so that a preflight,
-which carries no key, is answered).
+(and the chat page's files: the page asks for the key) must carry one of the server's keys, as
+OpenAI's clients send it (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key:
+KEY`); browsers' cross-origin requests are allowed only from the origins named (Starlette's
+`CORSMiddleware`, outside the key check so that a preflight, which carries no key, is
+answered).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def presented_keys(headers: Iterable[tuple]) -> list:
 
 
 class APIKeys:
-    """ASGI middleware: an HTTP request to a path other than OPEN_PATHS passes with one of
+    """ASGI middleware: an HTTP request to a path other than `open_paths` passes with one of
     `keys`, else it gets `refuse(scope, message)` (a 401 response in the API's shape)."""
 
-    def __init__(self, app, keys: Iterable[str], refuse: Callable):
-        self.app, self.refuse = app, refuse
+    def __init__(self, app, keys: Iterable[str], refuse: Callable, open_paths=OPEN_PATHS):
+        self.app, self.refuse, self.open_paths = app, refuse, open_paths
         self.digests = [_digest(key.encode()) for key in keys]
 
     def is_allowed(self, headers) -> bool:
@@ -58,18 +59,19 @@ class APIKeys:
         return allowed
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or \
+        if scope["type"] != "http" or scope["path"] in self.open_paths or \
                 self.is_allowed(scope["headers"]):
             return await self.app(scope, receive, send)
         message = WRONG if presented_keys(scope["headers"]) else MISSING
         await self.refuse(scope, message)(scope, receive, send)
 
 
-def add_keys(app, keys: Iterable[str], refuse: Callable) -> None:
-    """Check `keys` (none: no check) on `app`'s requests, outside its middleware so far."""
+def add_keys(app, keys: Iterable[str], refuse: Callable, open_paths=OPEN_PATHS) -> None:
+    """Check `keys` (none: no check) on `app`'s requests to paths other than `open_paths`,
+    outside its middleware so far."""
     keys = list(keys)
     if keys:
-        app.add_middleware(APIKeys, keys=keys, refuse=refuse)
+        app.add_middleware(APIKeys, keys=keys, refuse=refuse, open_paths=open_paths)
 
 
 def add_cors(app, allowed_origins: Iterable[str]) -> None:

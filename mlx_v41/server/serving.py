@@ -1,6 +1,6 @@
 """What every API's routes share: the server's settings (`ServerConfig`), reading a body,
-expanding a prompt's images, queueing a request's choices (`submit`), streaming SSE and
-awaiting a result while watching for the client to leave.
+rendering a chat and expanding a prompt's images, queueing a request's choices (`submit`),
+streaming SSE (or NDJSON lines) and awaiting a result while watching for the client to leave.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from ..chat import format as cf
 from ..generation.api import PromptTooLongError, check_context
 from ..model.vision.prompt import ImagePrompt, prepare_prompt
 from .engine import EngineClosed, Settings, Token
@@ -37,8 +38,8 @@ class ServerConfig:
     """What the CLI decides for every request: the served name, the values of fields a
     request leaves out (here: greedy, no filters, as mlx-lm's sampler without settings) and
     the limits on each image part (decoded bytes, width x height) and on a prompt's tokens
-    (None: the model's context), and the seconds without an event after which a stream sends
-    a keepalive (0: never)."""
+    (None: the model's context), the seconds without an event after which a stream sends
+    a keepalive (0: never), and whether `/` serves the chat page (`web`)."""
 
     model_id: str
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -53,6 +54,7 @@ class ServerConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_prompt_tokens: Optional[int] = None
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
+    web: bool = True
 
     def settings(self, *, max_tokens: Optional[int] = None, temp: Optional[float] = None,
                  top_p: Optional[float] = None, min_p: Optional[float] = None,
@@ -85,6 +87,26 @@ def expanded_prompt(app: FastAPI, ids: list, images: list, param: str) -> ImageP
         return prepare_prompt(app.state.engine.model, ids, images)
     except ValueError as e:
         raise RequestError(str(e), param=param) from None
+
+
+def chat_prompt(app: FastAPI, messages: list, tools: list, *, thinking: bool, effort,
+                param: str, hint: str = "") -> ImagePrompt:
+    """`messages` (`chat.format` dicts) rendered with V4.1's chat format, `tools` (function
+    specs) in the system message and a last assistant message continued, with its images'
+    spans expanded; a RequestError naming `param` (`hint` ends the one for a tokenizer
+    without the chat format's tokens)."""
+    tokenizer = app.state.engine.tokenizer
+    if tokenizer.missing_chat_tokens:
+        raise RequestError(f"the tokenizer has no single token for "
+                           f"{tokenizer.missing_chat_tokens[0]}{hint}", param=param)
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=[{"type": "function", "function": t} for t in tools] or None,
+            enable_thinking=thinking, reasoning_effort=effort,
+            continue_final_message=messages[-1]["role"] == "assistant")
+    except ValueError as e:
+        raise RequestError(str(e), param=param) from None
+    return expanded_prompt(app, ids, cf.collect_images(messages), param)
 
 
 def submit(app: FastAPI, prompt: ImagePrompt, settings: Settings, *, n: int = 1,
@@ -120,11 +142,12 @@ def _processors(app: FastAPI, settings: Settings, body, prompt: list) -> list:
 
 
 def sse_response(events, jobs: list, keepalive: str = SSE_KEEPALIVE,
-                 is_after_first: bool = False) -> StreamingResponse:
+                 is_after_first: bool = False,
+                 media_type: str = "text/event-stream") -> StreamingResponse:
     """An SSE stream of `events` (text) for `jobs`, which it cancels if the client leaves;
     `keepalive` is sent whenever no event came for the app's `keepalive_seconds` (with
     `is_after_first`, only once the first event went out: Anthropic's pings follow
-    message_start)."""
+    message_start). `media_type`: another stream of text events (Ollama's NDJSON lines)."""
     async def guarded():
         try:
             async for text in events:
@@ -133,16 +156,15 @@ def sse_response(events, jobs: list, keepalive: str = SSE_KEEPALIVE,
             for job in jobs:
                 if job.finish is None:
                     job.cancel()
-    return _EventStream(guarded(), keepalive, is_after_first)
+    return _EventStream(guarded(), keepalive, is_after_first, media_type)
 
 
 class _EventStream(StreamingResponse):
     """A `StreamingResponse` of SSE events with keepalives; the interval is the serving app's
     (`scope["app"]`), read when the response starts."""
 
-    def __init__(self, events, keepalive: str, is_after_first: bool):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    def __init__(self, events, keepalive: str, is_after_first: bool, media_type: str):
+        super().__init__(events, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self.keepalive, self.is_after_first = keepalive, is_after_first
 
     async def __call__(self, scope, receive, send):

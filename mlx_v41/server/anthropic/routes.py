@@ -14,18 +14,16 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
-from ...chat import format as cf
 from ...model.vision.prompt import ImagePrompt
 from . import protocol as ap
 from ..bodies import ERROR_STATUSES, documented, json_body
 from ..constraints import constraint_fields
 from ..conversation import with_response_format
 from ..engine import Finish, Token
-from ..errors import RequestError
 from ..images import ImageReader
 from ..processors import base_fields
 from ..reply_parser import Delta, ReplyParser
-from ..serving import (collect, expanded_prompt, failure, new_id, read_json, sse_response, submit,
+from ..serving import (chat_prompt, collect, failure, new_id, read_json, sse_response, submit,
                        until_done)
 
 log = logging.getLogger("mlx_v41.server")
@@ -95,23 +93,14 @@ def add_routes(app: FastAPI) -> None:
 def render(app: FastAPI, body: ap.CountTokensRequest) -> Rendered:
     """The request's prompt, rendered as openai/routes.py renders a chat completion's."""
     config, engine = app.state.config, app.state.engine
-    tokenizer = engine.tokenizer
     images = ImageReader.for_model(engine.model, config.max_image_bytes, config.max_image_pixels)
     messages = with_response_format(ap.chat_messages(body, config.system_prompt, images),
                                     body.output_config and body.output_config.format)
     thinking, effort, budget = ap.thinking_mode(body, config.thinking, config.reasoning_effort)
     tools = ap.function_specs(body)
-    if tokenizer.missing_chat_tokens:
-        raise RequestError(f"the tokenizer has no single token for "
-                           f"{tokenizer.missing_chat_tokens[0]}", param="messages")
+    prompt = chat_prompt(app, messages, tools, thinking=thinking, effort=effort,
+                         param="messages")
     prefill = messages[-1]["role"] == "assistant"
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=[{"type": "function", "function": t} for t in tools] or None,
-            enable_thinking=thinking, reasoning_effort=effort, continue_final_message=prefill)
-    except ValueError as e:
-        raise RequestError(str(e), param="messages") from None
-    prompt = expanded_prompt(app, ids, cf.collect_images(messages), "messages")
     return Rendered(prompt, thinking and not prefill, effort, budget if thinking else None,
                     tools, prefill)
 

@@ -3,7 +3,8 @@
 //
 // Threadgroup = one query row (b, s) x HEADS_PER_GROUP heads; SIMDGROUPS simdgroups of 32 lanes;
 // lane owns channels [lane * C, lane * C + C). The query's key list is window_size window entries
-// (rows newest - window_size + 1 .. newest, chronological; rows < 0 are empty) then the `topk`
+// (rows newest - window_size + 1 .. newest, chronological; rows < window_first[b] are empty:
+// 0, or the front padding of a window still filling) then the `topk`
 // entries of its `rows` (-1 or >= n_rows: empty). It is walked in blocks of 64 entries, each
 // split over the simdgroups: (1) scores z = (q . k) * scale in fp32 into threadgroup memory;
 // (2) after one barrier every simdgroup computes the same block max m_new = max(m, max z),
@@ -26,6 +27,7 @@ int batch = qrow / queries;
 int head0 = int(threadgroup_position_in_grid.x) * HEADS_PER_GROUP;
 int window_rows = window_shape[1];
 int newest = window_rows - queries + qrow % queries;  // the query's own window row
+int first = window_first[batch];  // window rows before it are empty (a window still filling)
 int entries = window_size + topk;
 int ch0 = int(lane) * C;
 
@@ -44,7 +46,8 @@ for (int h = 0; h < HEADS_PER_GROUP; ++h) {
 
 // Blocks before the first existing window row hold only empty entries: skipping them changes
 // nothing (their scores are -inf), and block boundaries stay at multiples of 64 entries.
-for (int blk = max(0, window_size - 1 - newest) / 64; blk < (entries + 63) / 64; ++blk) {
+for (int blk = max(0, window_size - 1 - newest + first) / 64; blk < (entries + 63) / 64;
+     ++blk) {
   int buf = blk & 1;
   for (int phase = 0; phase < 2; ++phase) {
     if (phase == 1) {
@@ -68,6 +71,7 @@ for (int blk = max(0, window_size - 1 - newest) / 64; blk < (entries + 63) / 64;
       int src = -1;  // window row or packed row of this entry; -1 = empty
       if (from_window) {
         src = newest - window_size + 1 + entry;
+        src = src < first ? -1 : src;
       } else if (entry < entries) {
         int r = rows[qrow * topk + entry - window_size];
         src = r < n_rows ? r : -1;

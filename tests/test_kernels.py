@@ -469,6 +469,56 @@ def test_sparse_attention_races():
     assert_attention_close(got, q, window, packed, rows, sinks, 0.125, 100)
 
 
+# Batch rows of one stacked call: (query rows, window rows held before the call) each, some
+# windows still filling (held < window - 1: 0 rows, a few, one short), some full.
+STACKED_ATTENTION_CASES = {
+    "decode": (1, (0, 3, 15, 15, 6, 14), 16, 40, 21),
+    "verify_block": (3, (2, 15, 0, 9), 16, 30, 12),
+    "long_window": (1, (1, 99, 70), 100, 300, 80),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STACKED_ATTENTION_CASES))
+def test_sparse_attention_stacked_rows_with_windows_still_filling(case):
+    """Sequences stacked into one call, each window padded at the front to window - 1 held
+    rows (zero rows) and `window_first` its first filled row: each batch row gets the bits of
+    its own batch-1 call, on the kernel (races and coverage checked) and on the ops; without
+    `window_first` the padded rows count and the filling rows differ."""
+    length, held, window_size, total, topk = STACKED_ATTENTION_CASES[case]
+    heads, dim, prefix = 4, 64, window_size - 1
+    parts = [attention_inputs(1, length, heads, dim, h, total, topk, seed=40 + b)
+             for b, h in enumerate(held)]
+    sinks = parts[0][4]
+    padded = [mx.concatenate([mx.zeros((1, prefix - h, dim), mx.bfloat16), part[1]], axis=1)
+              for h, part in zip(held, parts)]
+    q, window, packed, rows = (mx.concatenate(x) for x in (
+        [p[0] for p in parts], padded, [p[2] for p in parts], [p[3] for p in parts]))
+    first = [prefix - h for h in held]
+    run = attention_kernel("checked")
+    got = attn_mod.sparse_attention(q, window, packed, rows, sinks, 0.125, window_size,
+                                    first, run=run)
+    ops = attn_mod.sparse_attention_ops(q, window, packed, rows, sinks, 0.125, window_size,
+                                        mx.array(first))
+    for b, (pq, pw, pp, pr, _) in enumerate(parts):
+        alone = run(pq, pw, pp, pr, sinks, 0.125, window_size)
+        np.testing.assert_array_equal(bits(got[b:b + 1]), bits(alone))
+        np.testing.assert_array_equal(bits(ops[b:b + 1]), bits(attn_mod.sparse_attention_ops(
+            pq, pw, pp, pr, sinks, 0.125, window_size)))
+    unmasked = attn_mod.sparse_attention(q, window, packed, rows, sinks, 0.125, window_size,
+                                         run=run)
+    filling = [b for b, h in enumerate(held) if h < prefix]
+    assert all(not np.array_equal(bits(unmasked[b]), bits(got[b])) for b in filling)
+
+
+def test_sparse_attention_rejects_a_bad_window_first():
+    q, window, packed, rows, sinks = attention_inputs(2, 1, 2, 64, 5, 4, 2, seed=13)
+    for bad, problem in [((0,), "must be 2 ints"), ((0, 6), "out of \\[0, 5\\]"),
+                         ((0.5, 1.0), "must be 2 ints")]:
+        with pytest.raises(ValueError, match=problem) as error:
+            attn_mod.sparse_attention(q, window, packed, rows, sinks, 0.125, 8, bad)
+        assert "\n" not in str(error.value)
+
+
 def _buffer_spaces(source: str) -> dict:
     """Generated signature: buffer name -> its declaration line."""
     lines = [line.strip() for line in source.splitlines() if "[[buffer(" in line]
@@ -483,7 +533,7 @@ def test_sparse_attention_small_inputs_bind_as_device_buffers():
     want = attn_mod.sparse_attention_ops(q, window, packed, rows, sinks, 0.2, 8)
     np.testing.assert_array_equal(bits(out), bits(want))
     spaces = _buffer_spaces(run.kernel.last_source)
-    for name in ("q", "window", "packed", "rows", "sinks"):
+    for name in ("q", "window", "packed", "rows", "sinks", "window_first"):
         assert spaces[name].startswith("const device"), spaces[name]
 
 

@@ -94,16 +94,18 @@ def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
 
 def test_a_batch_on_the_simulated_kernels_stacks_and_equals_each_sequence_alone(tiny_model):
     """The Metal path of a batched decode step: with every kernel simulated (the inexact ones
-    too; mHC as its ops, as above), sequences at different positions whose windows are full
-    attend stacked, each kernel taking a position per batch row and sparse attention every
-    sequence's selection padded to the widest: every sequence's logits and window ring equal
-    its own batch-1 step through the same kernels, bit for bit, and the attention kernels
-    launch once per layer, not once per sequence."""
+    too; mHC as its ops, as above), sequences at different positions, windows full or still
+    filling, attend stacked, each kernel taking a position per batch row, sparse attention
+    every sequence's selection padded to the widest and the filling windows' front padding
+    left out (`window_first`): every sequence's logits and window ring equal its own batch-1
+    step through the same kernels, bit for bit, and the attention kernels launch once per
+    layer, not once per sequence."""
     calls = {}
     model = tiny_model(counted_simulated_kernels(calls)[0])
     rng = np.random.default_rng(7)
     caches, firsts = [], []
-    for length in (24, 40, 61):  # past the window (16), different selection widths
+    lengths = (24, 5, 40, 61, 11)  # past the window (16), different selection widths; filling
+    for length in lengths:
         cache = model.make_cache()
         ids = mx.array(rng.integers(0, 400, (1, length)), dtype=mx.int32)
         firsts.append(int(mx.argmax(model.prefill(ids, cache)[0, -1]).item()))
@@ -114,7 +116,7 @@ def test_a_batch_on_the_simulated_kernels_stacks_and_equals_each_sequence_alone(
     batched = batch_forward(model, ids, caches).logits
     mx.eval(batched)
     in_batch = dict(calls)
-    for b in range(3):
+    for b in range(len(lengths)):
         calls.clear()
         own = model(ids[b:b + 1], cache=alone[b])
         assert mx.array_equal(batched[b:b + 1], own).item(), b

@@ -81,7 +81,8 @@ def _attend(q, keys, valid, sinks, scale):
 _compiled_attend = mx.compile(_attend)
 
 
-def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window_size: int):
+def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window_size: int,
+                         window_first=None):
     """Reference (pure MLX, gather then attend); arguments as in `sparse_attention`. Query
     rows go in blocks of about GATHER_BLOCK_ELEMENTS gathered key values, so a long prefill
     chunk never gathers all its keys at once (each row is computed independently)."""
@@ -90,7 +91,8 @@ def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window
     def gathered(i, step):
         return _gather_packed(packed_kv, rows[:, i:i + step]) if selected else None
 
-    return _attend_blocks(q, window, gathered, selected, sinks, scale, window_size)
+    return _attend_blocks(q, window, gathered, selected, sinks, scale, window_size,
+                          window_first)
 
 
 def gather_selected(packed_kv: mx.array, rows: mx.array):
@@ -100,7 +102,8 @@ def gather_selected(packed_kv: mx.array, rows: mx.array):
     return _gather_packed(packed_kv, rows)
 
 
-def gathered_attention_ops(q, window, selected, sinks, scale: float, window_size: int):
+def gathered_attention_ops(q, window, selected, sinks, scale: float, window_size: int,
+                           window_first=None):
     """`sparse_attention_ops` with each sequence's selected rows already gathered
     (`gather_selected`, then stacked): `selected` (packed [B, S, K, P], filled [B, S, K]) or
     None for no selected rows. Row for row the bits of `sparse_attention_ops` (ops only)."""
@@ -110,14 +113,17 @@ def gathered_attention_ops(q, window, selected, sinks, scale: float, window_size
         return None if selected is None else (selected[0][:, i:i + step],
                                               selected[1][:, i:i + step])
 
-    return _attend_blocks(q, window, gathered, width, sinks, scale, window_size)
+    return _attend_blocks(q, window, gathered, width, sinks, scale, window_size,
+                          window_first)
 
 
-def _attend_blocks(q, window, gathered, selected: int, sinks, scale, window_size: int):
+def _attend_blocks(q, window, gathered, selected: int, sinks, scale, window_size: int,
+                   window_first=None):
     """Attention of q over the window and the `selected` rows that `gathered(i, step)` gives
     for query rows [i, i + step), block by block."""
     batch, length, _, dim = q.shape
     slots, filled = _window_slots(length, window.shape[1] - length, window_size)
+    first = None if window_first is None else first_buffer(window_first, batch)[:, None, None]
     step = max(1, GATHER_BLOCK_ELEMENTS // max(1, batch * (window_size + selected) * dim))
     outs = []
     for i in range(0, max(length, 1), step):
@@ -125,6 +131,8 @@ def _attend_blocks(q, window, gathered, selected: int, sinks, scale, window_size
         # take: one gather (indexing `[:, block]` adds an arange and two index casts)
         keys = mx.take(window, block, axis=1)                             # [B, s, W, d]
         valid = mx.broadcast_to(filled[None, i:i + step], (batch,) + block.shape)
+        if first is not None:  # rows before a batch row's first filled one are empty
+            valid = valid & (block[None] >= first)
         if selected:
             packed, present = gathered(i, step)
             keys = mx.concatenate([keys, unpack_fp4_e4m3(packed, keys.dtype)], axis=2)
@@ -140,8 +148,27 @@ def heads_per_group(heads: int, head_dim: int) -> int:
     return next(h for h in (16, 8, 4, 2, 1) if h <= limit and heads % h == 0)
 
 
-def _launch(kernel, q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
-            simdgroups=SIMDGROUPS):
+def first_buffer(window_first, batch: int, size: int = 0) -> mx.array:
+    """The int32 first filled window row of each batch row (None: 0 for all), made on the
+    host (no launch), zero-padded to `size` entries."""
+    if window_first is None:
+        return _zeros(max(batch, size))
+    if isinstance(window_first, mx.array):
+        window_first = window_first.tolist()
+    values = np.zeros(max(batch, size), np.int32)
+    values[:batch] = window_first
+    return mx.array(values)
+
+
+@functools.cache
+def _zeros(size: int) -> mx.array:
+    out = mx.zeros((size,), mx.int32)
+    mx.eval(out)
+    return out
+
+
+def _launch(kernel, q, window, packed_kv, rows, sinks, scale, window_size, window_first=None,
+            *, heads=None, simdgroups=SIMDGROUPS):
     batch, length, num_heads, dim = q.shape
     group = heads or heads_per_group(num_heads, dim)
     total, topk = packed_kv.shape[1], rows.shape[-1]
@@ -157,9 +184,10 @@ def _launch(kernel, q, window, packed_kv, rows, sinks, scale, window_size, *, he
         rows = mx.concatenate([rows.astype(mx.int32), pad], axis=-1)
         topk = rows.shape[-1]
     sinks = device_buffer(sinks)
+    first = first_buffer(window_first, batch, 8)  # >= 8 elements: bound as `device`
     threads = 32 * simdgroups
     out, = kernel(
-        inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, float(scale),
+        inputs=[q, window, packed_kv, rows.astype(mx.int32), sinks, first, float(scale),
                 int(window_size), int(total), int(topk)],
         template=[("HEAD_DIM", dim), ("HEADS_PER_GROUP", group), ("SIMDGROUPS", simdgroups)],
         grid=(threads * (num_heads // group), batch * length, 1),
@@ -190,17 +218,19 @@ def _probe(run, ops) -> None:
     assert_close("sparse_attention", run(*args), ops(*args), CHECK_TOLERANCE)
 
 
-# The kernel as `run(q, window, packed_kv, rows, sinks, scale, window_size, *, heads=None,
-# simdgroups=SIMDGROUPS)`: metal/sparse_attention.metal, one pass with an online softmax.
+# The kernel as `run(q, window, packed_kv, rows, sinks, scale, window_size, window_first=None,
+# *, heads=None, simdgroups=SIMDGROUPS)`: metal/sparse_attention.metal, one pass with an online
+# softmax.
 SPARSE_ATTENTION = KernelSpec(
     "v41_sparse_attention", "sparse_attention",
-    ("q", "window", "packed", "rows", "sinks", "scale", "window_size", "n_rows", "topk"),
+    ("q", "window", "packed", "rows", "sinks", "window_first", "scale", "window_size", "n_rows",
+     "topk"),
     ("out",), "sparse_attention.metal", _launch, _probe, sparse_attention_ops,
     headers=("v41_common.h",))
 
 
 def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_size: int,
-                     use_kernel: Optional[bool] = None, run=None):
+                     window_first=None, use_kernel: Optional[bool] = None, run=None):
     """Attention of a chunk's queries over their sliding window and selected compressed rows.
 
     Args:
@@ -212,6 +242,11 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
         sinks: [H] fp32 per-head sink logits (denominator only).
         scale: score scale (head_dim ** -0.5).
         window_size: sliding-window length.
+        window_first: per batch row, its first filled window row (B ints or an int array
+            [B]; None: 0 for every row): the rows before it are empty. Sequences whose windows
+            are still filling stack their windows padded at the front to one length P (zero
+            rows, `window_rows` per row), and each query's entries stay those of its own call:
+            the same bits as that call on the ops and on the kernel.
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`SPARSE_ATTENTION.build(factory)`) to use unconditionally,
             e.g. the Metal simulator's in tests.
@@ -225,6 +260,22 @@ def sparse_attention(q, window, packed_kv, rows, sinks, scale: float, window_siz
     run = SPARSE_ATTENTION.choose(use_kernel, run, applies=(
         q.dtype == mx.bfloat16 and window.dtype == mx.bfloat16 and dim % 32 == 0
         and dim <= MAX_HEAD_DIM and q.size > 0 and window_size >= 1))
+    if window_first is not None:
+        check_window_first(window_first, batch, window.shape[1] - length)
     if run is None:
-        return sparse_attention_ops(q, window, packed_kv, rows, sinks, scale, window_size)
-    return run(q, window, packed_kv, rows, sinks, scale, window_size)
+        return sparse_attention_ops(q, window, packed_kv, rows, sinks, scale, window_size,
+                                    window_first)
+    return run(q, window, packed_kv, rows, sinks, scale, window_size, window_first)
+
+
+def check_window_first(window_first, batch: int, prefix: int) -> None:
+    """One first filled row per batch row, each in [0, P] (P: the window rows before the
+    call's own); else a one-line ValueError."""
+    firsts = np.asarray(window_first.tolist() if isinstance(window_first, mx.array)
+                        else window_first)
+    if firsts.shape != (batch,) or not np.issubdtype(firsts.dtype, np.integer):
+        raise ValueError(f"sparse_attention: window_first must be {batch} ints (one per batch "
+                         f"row), got {firsts.dtype} of shape {firsts.shape}")
+    if firsts.size and not (0 <= firsts.min() and firsts.max() <= prefix):
+        raise ValueError(f"sparse_attention: window_first {firsts.tolist()} out of [0, {prefix}] "
+                         f"(the window rows before the call's own)")

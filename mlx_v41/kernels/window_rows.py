@@ -34,11 +34,14 @@ def stacked_window_rows_ops(ring: mx.array, rows: mx.array, positions,
     """`window_rows_ops` (no skip) of G sequences at once (the per-row position), ops only:
     ring [G, R, D + D/32] stacked from their rings, rows [G, S, D] bf16, row g's of positions
     positions[g] .. (G ints, or an int array [G]) -> [G, count + S, D], row g the bits of its
-    own call (decoding is exact)."""
-    first = np.asarray(positions, np.int64)[:, None] - count
-    slots = mx.array(((first + np.arange(count)) % ring.shape[1]).astype(np.int32))
-    held = mx.take_along_axis(ring, slots[..., None], axis=1)
-    return mx.concatenate([unpack_fp8_e8m0(held), rows], axis=1)
+    own call (decoding is exact). A row whose position is below `count` (its window still
+    filling) reads zero rows for the positions before 0, so every row has `count` of them."""
+    held = np.asarray(positions, np.int64)[:, None] - count + np.arange(count)
+    slots = mx.array((held % ring.shape[1]).astype(np.int32))
+    older = unpack_fp8_e8m0(mx.take_along_axis(ring, slots[..., None], axis=1))
+    if held[:, 0].min() < 0:  # a window still filling: rows before position 0 are zeros
+        older = mx.where(mx.array(held >= 0)[..., None], older, 0)
+    return mx.concatenate([older, rows], axis=1)
 
 
 def window_rows_ops(ring: mx.array, rows: mx.array, position, count: int,
@@ -102,7 +105,10 @@ def window_rows(ring: mx.array, rows: mx.array, position, count: int, skip: int 
             position[b] .. ; one launch for all rows; the ops are `stacked_window_rows_ops`,
             row b the bits of a batch-1 call at position[b]).
         count: ring rows each batch row reads, those of positions position - count ..
-            position - 1 (0 <= count <= min(position, R); per row: for every row's position).
+            position - 1 (0 <= count <= min(position, R)). Per row, 0 <= count <= R: a row
+            whose position is below count (its window still filling) gets zero rows for the
+            positions before 0, so the rows of a batch line up (`sparse_attention`'s
+            `window_first` leaves them out).
         skip: leading rows of the concatenation to leave out (0 <= skip <= count + S).
         use_kernel: use the Metal kernel when it applies.
         run: an already built kernel (`WINDOW_ROWS.build(factory)`) to use where it applies,
@@ -116,7 +122,8 @@ def window_rows(ring: mx.array, rows: mx.array, position, count: int, skip: int 
         raise ValueError(f"window_rows: a ring of {ring.shape[0]} batch rows for rows of "
                          f"{rows.shape[0]}")
     for row, first in enumerate((position,) if per_row is None else per_row):
-        if not 0 <= count <= min(first, capacity) or not 0 <= skip <= count + rows.shape[1]:
+        held = capacity if per_row is not None else min(first, capacity)
+        if not 0 <= count <= held or not 0 <= skip <= count + rows.shape[1]:
             where = "" if per_row is None else f" of row {row}"
             raise ValueError(f"window_rows: cannot read {count} ring rows before position "
                              f"{first}{where} (a ring of {capacity} slots) and leave out {skip} "

@@ -169,29 +169,31 @@ class Attention(nn.Module):
     stack_on_ops_only = False
 
     def _stackable(self, ctx: BatchState, caches: list, n_in: int, n_out: int) -> list:
-        """The sequences `_attend_stacked` takes: every row a query, and a ring holding the
-        window - 1 rows before the call and room for the call's rows. Its dispatchers are the
-        ones `_attend` calls, with a position per batch row, so each row gets the values of
-        its own call on the ops and on the kernels alike."""
+        """The sequences `_attend_stacked` takes: every row a query, and a ring with room for
+        the call's rows (windows full or still filling alike). Its dispatchers are the ones
+        `_attend` calls, with a position per batch row, so each row gets the values of its own
+        call on the ops and on the kernels alike."""
         if n_out != n_in or (self.stack_on_ops_only and not runs_ops(*STACKED_OPS)):
             return []
-        return [b for b, (state, cache) in enumerate(zip(ctx.states, caches))
-                if state.start >= self.window - 1 and cache.window.rows is not None
-                and n_in <= cache.window.capacity]
+        return [b for b, cache in enumerate(caches)
+                if cache.window.rows is not None and n_in <= cache.window.capacity]
 
     def _attend_stacked(self, x, kv_products, q, qr, qr_fp8, states: list, caches: list,
                         ctx: BatchState) -> mx.array:
-        """`_attend` of G sequences [G, n, ...] whose windows are full: the norms, RoPE,
-        window reads and ring writes and the attention run over all G rows at once (one call
-        of each dispatcher, each row its own positions and ring), the compressor and the
-        selection per sequence where their shapes differ (each against its own compressed
-        rows) -> [G, n, heads, head_dim] fp32."""
+        """`_attend` of G sequences [G, n, ...]: the norms, RoPE, window reads and ring writes
+        and the attention run over all G rows at once (one call of each dispatcher, each row
+        its own positions and ring; a window still filling is padded at the front to
+        window - 1 rows, which the attention leaves out), the compressor and the selection
+        per sequence where their shapes differ (each against its own compressed rows)
+        -> [G, n, heads, head_dim] fp32."""
         starts = tuple(state.start for state in states)
+        held = self.window - 1
+        first = tuple(max(0, held - start) for start in starts) if min(starts) < held else None
         kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,
                    rope=self.rope, positions=starts, outputs=("fp8",), fp8_dtype=mx.bfloat16)
         rings = [cache.window for cache in caches]
         stacked = mx.concatenate([ring.rows for ring in rings], axis=0)
-        window = window_rows(stacked, kv, starts, self.window - 1)
+        window = window_rows(stacked, kv, starts, held)
         _wrote_rows(rings, swa_ring_update(stacked, kv, starts), starts, kv.shape[1])
         each = _Split(x, qr, qr_fp8)
         if self.role.mode == FULL:
@@ -200,13 +202,14 @@ class Attention(nn.Module):
         scale = self.head_dim ** -0.5
         if SPARSE_ATTENTION.choose() is not None:  # the kernel: every sequence in one launch
             packed, rows = self._selection_padded(x, qr, qr_fp8, each, states, ctx)
-            out = sparse_attention(q, window, packed, rows, self.sinks, scale, self.window)
+            out = sparse_attention(q, window, packed, rows, self.sinks, scale, self.window,
+                                   first)
             return self.rope(out, starts, inverse=True, dtype=mx.float32)
         outs, order = [], []
         for members, picked in self._selected_groups(x, qr, qr_fp8, each, states, ctx):
-            outs.append(gathered_attention_ops(take_rows(q, members),
-                                               take_rows(window, members), picked,
-                                               self.sinks, scale, self.window))
+            outs.append(gathered_attention_ops(
+                take_rows(q, members), take_rows(window, members), picked, self.sinks, scale,
+                self.window, None if first is None else [first[b] for b in members]))
             order += members
         out = in_order(outs, order)
         return self.rope(out, starts, inverse=True, dtype=mx.float32)

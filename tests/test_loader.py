@@ -368,9 +368,14 @@ def test_unsupported_dtype(ckpt):
     load_error(ckpt, CheckpointError, "layers.1.attn_norm.weight", "F4")
 
 
-@pytest.mark.parametrize("name", ["layers.1.attn.wq_a.scale", "layers.1.ffn.experts.0.w1.scale"])
-def test_nan_e8m0_scale(ckpt, name):
-    patch_byte(ckpt, name, 0, E8M0_NAN)
+@pytest.mark.parametrize("name,at", [("layers.1.attn.wq_a.scale", 0),
+                                     ("layers.1.ffn.experts.0.w1.scale", 0),
+                                     ("layers.2.ffn.experts.3.w2.scale", 5),
+                                     ("layers.3.attn.wo_b.scale", 1)])
+def test_nan_e8m0_scale(ckpt, name, at):
+    """Scales are checked together (one evaluation for a load, one for each projection's
+    experts); the error still names the tensor that holds the NaN."""
+    patch_byte(ckpt, name, at, E8M0_NAN)
     load_error(ckpt, CheckpointError, name)
 
 

@@ -8,6 +8,7 @@ any failure names the tensor. FP8/FP4 weights stay packed (mxfp8 / mxfp4).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -140,19 +141,34 @@ def read_index(folder: Path) -> dict:
         if not isinstance(weight_map, dict) or not all(
                 isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
-        return {name: folder / shard for name, shard in weight_map.items()}
+        paths = {shard: folder / shard for shard in set(weight_map.values())}  # one Path each
+        return {name: paths[shard] for name, shard in weight_map.items()}
     single = folder / "model.safetensors"
     if single.is_file():
         return {name: single for name in SafetensorsFile(single).keys()}
     raise CheckpointError(f"{folder}: no model.safetensors.index.json or model.safetensors")
 
 
-def _match(name: str, renames: list = RENAMES):
+@functools.lru_cache(maxsize=16)
+def _compiled(table: tuple) -> tuple:
+    """A rename table's patterns compiled, each target template split at its back-references
+    (a checkpoint has up to ~100K tensors: the plan matches each one)."""
+    return tuple((re.compile(p), re.split(r"\\(\d)", t), k) for p, t, k in table)
+
+
+def _expand(m: re.Match, parts: list) -> str:
+    """`m.expand(template)` of a template split by `_compiled` (without re-parsing it)."""
+    return "".join(part if i % 2 == 0 else m.group(int(part)) for i, part in enumerate(parts))
+
+
+def _match(name: str, renames: tuple):
+    """(match, target template parts, kind, base name) of the first rename (`_compiled`) a
+    published tensor name takes, or None."""
     base = name[:-len(".scale")] if name.endswith(".scale") else name
     base = base[:-len(".weight")] if base.endswith(".weight") and not any(
-        re.fullmatch(p, base) for p, _, _ in renames) else base
+        c.fullmatch(base) for c, _, _ in renames) else base
     for pattern, target, kind in renames:
-        m = re.fullmatch(pattern, base)
+        m = pattern.fullmatch(base)
         if m and (kind in PAIRED or base == name):
             return m, target, kind, base
     return None
@@ -173,15 +189,30 @@ class _Shards:
             raise CheckpointError(f"{path}: tensor {name} named in the index is absent")
         return f
 
-    def get(self, name, kind, index=None) -> mx.array:
+    def get(self, name, kind, index=None, check: bool = True) -> mx.array:
+        """A tensor (its `index` slice), its dtype checked, and a scale's bytes checked for
+        the E8M0 NaN (at once, or with `deferred` set in `check_deferred`; `check=False`:
+        the caller checks them, e.g. `_stack_experts` all of a projection's at once)."""
         f = self.check_dtype(name, kind)
         value = self.read(f, name) if index is None else self.read(f, name, index)
-        if name.endswith(".scale") and self.checks_values and value.size \
-                and mx.max(value).item() == E8M0_NAN:
-            raise CheckpointError(f"{f.path}: tensor {name} holds the E8M0 NaN byte 255")
+        if name.endswith(".scale") and check and self.checks_values and value.size:
+            if self.deferred is None:
+                nan_scale_check([(f.path, name, mx.max(value))])
+            else:
+                self.deferred.append((f.path, name, mx.max(value)))
         return value
 
     checks_values = True  # False for a header-only pass (the converter's dry run)
+    # A list: scales are checked together by `check_deferred` (one evaluation for a whole
+    # load, not one per tensor); None: each when read.
+    deferred = None
+
+    def check_deferred(self) -> None:
+        """The E8M0 NaN check of every scale read since `deferred` was set."""
+        if self.deferred:
+            pending, self.deferred = self.deferred, []
+            peaks = mx.stack([peak for _, _, peak in pending]).tolist()
+            nan_scale_check([(path, name, peak) for (path, name, _), peak in zip(pending, peaks)])
 
     def check_dtype(self, name, kind) -> SafetensorsFile:
         f = self.file(name)
@@ -195,6 +226,14 @@ class _Shards:
         return f.get(name, index)
 
 
+def nan_scale_check(scales: list) -> None:
+    """CheckpointError naming the first of the scale tensors `scales` [(file, name, largest
+    byte: an int or a scalar array)] that holds the E8M0 NaN."""
+    for path, name, peak in scales:
+        if int(peak) == E8M0_NAN:
+            raise CheckpointError(f"{path}: tensor {name} holds the E8M0 NaN byte 255")
+
+
 def has_group(index: dict, group: str) -> bool:
     """Whether the checkpoint holds tensors of a drop group ("dspark", "vision")."""
     return any(re.fullmatch(p, name) for p, _, g in DROPS if g == group for name in index)
@@ -206,11 +245,11 @@ def plan(index: dict, dspark: bool = False, vision: bool = False) -> tuple[dict,
     dropping them."""
     used, dropped = defaultdict(list), {}
     loaded = {g for g, on in (("dspark", dspark), ("vision", vision)) if on}
-    drops = [d for d in DROPS if d[2] not in loaded]
-    renames = RENAMES + (dspark_renames(index) if dspark else []) + \
-        (VISION_RENAMES if vision else [])
+    drops = [(re.compile(p), why) for p, why, group in DROPS if group not in loaded]
+    renames = _compiled(tuple(RENAMES + (dspark_renames(index) if dspark else []) +
+                              (VISION_RENAMES if vision else [])))
     for name in sorted(index):
-        reason = next((why for p, why, _ in drops if re.fullmatch(p, name)), None)
+        reason = next((why for p, why in drops if p.fullmatch(name)), None)
         if reason:
             dropped[name] = reason
             continue
@@ -220,7 +259,7 @@ def plan(index: dict, dspark: bool = False, vision: bool = False) -> tuple[dict,
         m, target, kind, base = hit
         if name.endswith(".scale") and kind in PAIRED:
             continue
-        used[m.expand(target)].append((kind, base, m))
+        used[_expand(m, target)].append((kind, base, m))
     return used, dropped
 
 
@@ -308,23 +347,28 @@ def _stack_experts(shards: _Shards, entries: list, params: dict, target: str,
             base = entries[0][1].rsplit(".", 2)[0]
             raise CheckpointError(f"tensor {base}.{e}.{entries[0][1].rsplit('.', 1)[1]} "
                                   f"(routed expert {e} of {expected}) is missing")
-    weights, scales = [], []
-    for e in range(lo, lo + params[f"{target}.weight"].shape[0]):
+    weights, scales, ids = [], [], range(lo, lo + params[f"{target}.weight"].shape[0])
+    for e in ids:
         w = shards.get(f"{by_id[e]}.weight", "fp4_expert").view(mx.uint8)
-        s = shards.get(f"{by_id[e]}.scale", "fp4_expert")
+        s = shards.get(f"{by_id[e]}.scale", "fp4_expert", check=False)
         for part, value, first in (("weight", w, weights), ("scale", s, scales)):
             if first and value.shape != first[0].shape:
                 raise CheckpointError(f"tensor {by_id[e]}.{part} has shape {tuple(value.shape)},"
                                       f" unlike expert 0's {tuple(first[0].shape)}")
         weights.append(w)
         scales.append(s)
+    stacked = mx.stack(scales)
     try:
-        w, s = fp4_to_mxfp4(mx.stack(weights), mx.stack(scales))
+        w, s = fp4_to_mxfp4(mx.stack(weights), stacked)
     except ValueError as e:
         raise CheckpointError(f"tensor {by_id[0]}: {e}") from None
     # Stacked now: the experts' separate copies are freed here, not at the end of the load
-    # (which would hold every expert twice).
-    mx.eval(w, s)
+    # (which would hold every expert twice). Their scales' NaN check in the same evaluation.
+    peaks = mx.max(stacked.reshape(stacked.shape[0], -1), axis=1)
+    mx.eval(w, s, peaks)
+    if shards.checks_values and stacked.size:
+        names = [f"{by_id[e]}.scale" for e in ids]
+        nan_scale_check([(shards.file(n).path, n, peak) for n, peak in zip(names, peaks.tolist())])
     return {f"{target}.weight": w, f"{target}.scales": s}
 
 
@@ -421,6 +465,7 @@ def load_weights(model, folder, placement: Placement = WHOLE, experts=None) -> d
     params = dict(tree_flatten(model.parameters()))
     tables = engram_tables(model)
     shards = _Shards(index)
+    shards.deferred = []
     loaded, attached = {}, set()
     streamed = {t for t, e in used.items() if e[0][0] == "fp4_expert" and streaming is not None
                 and streaming.owns(t.rpartition(".")[0])}
@@ -440,6 +485,7 @@ def load_weights(model, folder, placement: Placement = WHOLE, experts=None) -> d
             continue
         loaded.update(convert_target(shards, target, entries, params,
                                      shard=placement.shard(target)))
+    shards.check_deferred()
     missing = sorted(set(params) - set(loaded)) + sorted(set(tables) - attached)
     if missing:
         raise missing_error(folder, missing)

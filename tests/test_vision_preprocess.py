@@ -115,7 +115,13 @@ def test_input_forms_agree(tmp_path):
 def test_bad_images(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not an image")
+    deep = tmp_path / ("folder" * 15) / "junk.png"  # a long path is named whole
+    deep.parent.mkdir()
+    deep.write_text("not an image")
     cases = [(text, "notes.txt: not a readable image"),
+             (deep, f"{deep}: not a readable image"),
+             (str(deep), f"{deep}: not a readable image"),
+             ("data:image/png;base64," + "A" * 100, "data:image/png;base64,A+\\.\\.\\.:"),
              (tmp_path / "missing.png", "missing.png: cannot read the image file"),
              ("data:image/png;base64,@@@", "invalid base64"),
              (b"\x89PNG broken", "image bytes (11 bytes): not a readable image (unknown format)"),

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import io
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
@@ -209,8 +210,16 @@ def _describe(source) -> str:
 
 
 def _short(value, limit: int = 60) -> str:
+    """`value` for an error message: a path or URL whole (it names the culprit), anything
+    else (a data: URL, an image block) cut to `limit` characters."""
     text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    if len(text) <= limit or (isinstance(value, (str, os.PathLike)) and len(text) <= PATH_LIMIT
+                              and not text.startswith("data:")):
+        return text
+    return text[:limit] + "..."
+
+
+PATH_LIMIT = 4096  # longer "paths" are cut like other values (PATH_MAX on Linux)
 
 
 def resize_and_pad(image: Image.Image, grid: ImageGrid) -> Image.Image:

@@ -414,3 +414,22 @@ def test_distributed_flags_without_a_group_are_one_line(flags, message, capsys):
     assert cli.main(["--model", "/nonexistent/model", *flags]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"mlx_v41.server: error: {message}" in err, err
+
+
+def test_a_job_ended_by_the_server_keeps_its_first_reason():
+    """A request the drain ended ("not started") keeps that reason when the grace runs out
+    before its next chunk (`end_all` aborts it again): the client hears the first."""
+    import asyncio
+
+    from mlx_v41.server.engine.serial import EngineClosed, Finish, Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(None, None, loop)
+        job.abort(EngineClosed("the server is shutting down: the request was not started"))
+        job.abort(EngineClosed("the server shut down before the reply finished"))
+        job.put(Finish("cancelled", 3, 0, 0))
+        item = loop.run_until_complete(job.queue.get())
+    finally:
+        loop.close()
+    assert isinstance(item, EngineClosed) and "was not started" in str(item)

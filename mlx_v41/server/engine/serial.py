@@ -136,8 +136,10 @@ class Job:
 
     def abort(self, error: BaseException) -> None:
         """Cancel it for the server's sake: it ends (at its next chunk or token) with `error`
-        instead of a "cancelled" finish."""
-        self.error = error
+        instead of a "cancelled" finish. A later abort before it ends keeps the first reason
+        (a request the drain ended stays "not started" if the grace runs out meanwhile)."""
+        if self.error is None:
+            self.error = error
         self.cancelled.set()
 
     async def events(self):

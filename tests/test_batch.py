@@ -79,6 +79,7 @@ def test_batch_forward_equals_batch_one_per_step(loaded):
     assert [c[0].offset for c in caches] == [n + len(follow[0]) for n in LENGTHS]
 
 
+@pytest.mark.slow
 def test_full_and_short_windows_in_one_step(loaded, monkeypatch):
     """Sequences whose window is full and those whose window is still filling attend stacked
     in one call per layer (their rings, selections and attention at once; a short window
@@ -120,6 +121,7 @@ def test_full_and_short_windows_in_one_step(loaded, monkeypatch):
         assert calls == {"stacked": layers, "alone": 0}  # 3 full windows, 3 short ones
 
 
+@pytest.mark.slow
 def test_batch_generate_greedy_and_seeded(loaded):
     model, tokenizer = loaded
     from mlx_lm.sample_utils import make_sampler
@@ -146,6 +148,7 @@ def test_batch_generate_greedy_and_seeded(loaded):
                              for text, seed in zip(texts, seeds)]
 
 
+@pytest.mark.slow
 def test_joins_and_leaves_mid_run(loaded):
     """Sequences inserted while others decode, one removed mid-prefill and one mid-decode:
     every sequence that runs to its end emits what it emits alone."""
@@ -216,6 +219,7 @@ def test_long_prefill_does_not_stall_decoding(loaded):
         assert out[uid] == alone(model, tokenizer, text, max_tokens=30), uid
 
 
+@pytest.mark.slow
 def test_a_failing_sequence_fails_alone(loaded):
     model, tokenizer = loaded
     texts = prompts([9, 14, 30], seed=5)
@@ -303,6 +307,7 @@ def test_settings_are_checked(loaded):
 
 
 @pytest.mark.parametrize("mode", [slow("full"), "ced_replay"])
+@pytest.mark.slow
 def test_other_prefill_modes(mode):
     model, tokenizer = mlx_v41.load(golden_checkpoint("tiny"), prefill_mode=mode)
     model = reference_ops(model)
@@ -365,6 +370,7 @@ def test_metal_batch_difference_is_bounded():
             assert mx.argmax(got[b]).item() == mx.argmax(expected).item()
 
 
+@pytest.mark.slow
 def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
     """Every sequence past its window (all attend stacked) and past the Engram n-gram
     history (one hash for all), at odd and even positions (open compressor group or not),
@@ -392,6 +398,7 @@ def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
     assert [c[0].offset for c in caches] == [len(t) + done for t in texts]
 
 
+@pytest.mark.slow
 def test_a_step_starts_the_next_tokens_before_it_reads_its_own(loaded, monkeypatch):
     """The decode step is pipelined: the next tokens (and logprobs) of the sequences without
     processors are handed to `mx.async_eval` before the step reads back the tokens it feeds

@@ -132,6 +132,7 @@ def holds_exactly(model, cache, ids) -> bool:
     return same(committed(model, cache), committed(model, reference))
 
 
+@pytest.mark.slow
 def test_greedy_equals_plain_and_batch_one(loaded):
     """The checkpoint's drafter, prompts of mixed lengths: each sequence's tokens are plain
     greedy decoding's and batch-1 DSpark's."""
@@ -151,6 +152,7 @@ def test_greedy_equals_plain_and_batch_one(loaded):
         assert cache[0].offset == len(text) + len(tokens)
 
 
+@pytest.mark.slow
 def test_acceptance_stops_and_max_tokens_inside_blocks(loaded, monkeypatch):
     """Oracle drafters right 5, 2, 0, 3 or 4 times per cycle, max_tokens that end inside a
     block, a stop token inside an accepted block: each sequence emits what batch-1 DSpark
@@ -188,6 +190,7 @@ def test_acceptance_stops_and_max_tokens_inside_blocks(loaded, monkeypatch):
     assert generator.counters.drafts_accepted == sum(o[2].accepted for o in out) > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_equals_batch_one(loaded):
     """Temperature 1, top-p 0.9, the checkpoint's drafter: each sequence's tokens are what
     batch-1 DSpark sampling gives it with its seed."""

@@ -71,6 +71,7 @@ def prefilled(model, ids) -> tuple:
 
 
 @pytest.mark.parametrize("length,allowances", [(150, [7, 1, 13, 5, 2]), (9, [3, 2])])
+@pytest.mark.slow
 def test_paced_pieces_equal_one_call(loaded, length, allowances):
     """Ragged chunks and the halo in groups of decoder layers give the logits and every cache
     byte (the drafter's rings included) of one `Model.prefill`, and the next decode step's
@@ -137,6 +138,7 @@ def steps_until(generator, done, limit=400) -> list:
     raise AssertionError("did not happen within the step limit")
 
 
+@pytest.mark.slow
 def test_decoding_through_a_long_prompt(loaded, pieces):
     """Two replies decode while a 120-token prompt arrives: every step's prompt work stays
     within the budget (a halo layer bigger than what is left waits for the next step), the
@@ -184,6 +186,7 @@ def test_decoding_through_a_long_prompt(loaded, pieces):
         assert [r.token for r in out[uid]][:len(expected)] == expected, uid
 
 
+@pytest.mark.slow
 def test_a_short_prompt_behind_a_long_one_starts_at_once(loaded):
     """A 10-token prompt that arrives while a 300-token prompt is read (replies decoding)
     emits its first token within 2 steps, its prefill included, and its batch-1 tokens."""
@@ -205,6 +208,7 @@ def test_a_short_prompt_behind_a_long_one_starts_at_once(loaded):
     assert tokens == alone(model, tokenizer, late, 5)
 
 
+@pytest.mark.slow
 def test_an_interrupted_piece_reads_the_prompt_again(loaded, monkeypatch):
     """Ctrl-C in a halo piece: the prompt's cache is as before it, the prompt waits to be read
     again from its start, the replies' caches are unchanged, and every sequence still gets
@@ -247,6 +251,7 @@ def test_an_interrupted_piece_reads_the_prompt_again(loaded, monkeypatch):
         assert out[uid][:len(expected)] == expected, uid
 
 
+@pytest.mark.slow
 def test_the_old_schedule(loaded, pieces):
     """`decode_prefill_budget=None`: `prefill_step_size` chunks round-robin, `prefill_budget`
     tokens per step, the halo in one piece; the same tokens."""

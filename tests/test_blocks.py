@@ -150,6 +150,7 @@ def _fmt(stats: dict) -> str:
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=_id)
+@pytest.mark.slow
 def test_block(runs, case):
     name, layer, kind = case
     golden, _, captured = runs(name)

@@ -67,6 +67,7 @@ def test_ced_prefill_equals_full_prefill(prompt, n, rollback):
         assert mx.array_equal(full(step, cache=cf), ced(step, cache=cc))
 
 
+@pytest.mark.slow
 def test_ced_skips_decoder_rows(prompt):
     model = _model("ced")
     # The spec's halo, then the default one extended for a rollback of window + 1 = 17.
@@ -88,6 +89,7 @@ def test_ced_skips_decoder_rows(prompt):
 
 
 @pytest.mark.parametrize("step,length", [(1, 30), (7, 201), slow(37, 201), slow(64, 201)])
+@pytest.mark.slow
 def test_chunked_prefill_equals_one_chunk(prompt, step, length):
     model = _model("ced")
     ids = prompt[:, :length]
@@ -106,6 +108,7 @@ def test_continuation_prefill(prompt):
 
 
 @pytest.mark.parametrize("mode,n", [("full", 17), ("ced", 16), ("ced", 3)])
+@pytest.mark.slow
 def test_trim_then_redo(prompt, mode, n):
     """Trim back over decoded rows (to odd and even lengths: the open ratio-2 group is
     reopened from the compressor-input ring) and redo: identical logits. 17 = the most a
@@ -122,6 +125,7 @@ def test_trim_then_redo(prompt, mode, n):
 
 
 @pytest.mark.parametrize("rollback,n", [(17, 17), (17, 8), (5, 5), (0, 1)])
+@pytest.mark.slow
 def test_trim_right_after_ced_prefill(prompt, rollback, n):
     """The CED halo is extended so the decoder rings hold what a trim of `ced_rollback`
     tokens needs: trimming then continuing equals a full prefill of the shorter prompt."""

@@ -78,6 +78,7 @@ def test_second_turn_prefills_only_the_new_tokens(loaded):
 
 @pytest.mark.parametrize("reasoning, source", [("Ok", "reply"),
                                                ("Let me think it over.", "prompt snapshot")])
+@pytest.mark.slow
 def test_thinking_turns_roll_back_and_match_from_scratch(loaded, reasoning, source):
     """Thinking mode drops the reasoning and turns the `<think>` header into `</think>`: the
     cache rolls back over a short reply, or restores the prompt snapshot after a long one."""
@@ -305,6 +306,7 @@ def test_errors_are_one_line(loaded, capsys, monkeypatch):
     assert err == "error: garbage: not a readable prompt-cache file (line one line two)\n"
 
 
+@pytest.mark.slow
 def test_reasoning_shown_apart_or_hidden(loaded, capsys, monkeypatch):
     from mlx_v41.cli.chat import View
 

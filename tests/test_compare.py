@@ -115,6 +115,7 @@ def test_kl_with_a_tail_bucket_on_a_hand_example():
     assert 0 < merged < exact
 
 
+@pytest.mark.slow
 def test_the_bf16_head_changes_the_logits_not_the_streams(reference, data, exact_record):
     test = tiny(head_dtype="bfloat16")
     result = compare(test, exact_record, batch_size=2)
@@ -162,6 +163,7 @@ SMALL = ("--sequence-length", 40, "--num-samples", 2, "--prompts", 1, "--prompt-
 SMALL_STR = [str(a) for a in SMALL]
 
 
+@pytest.mark.slow
 def test_cli_json_against_itself_and_a_perturbation(tmp_path, capsys):
     path = corpus(tmp_path / "c.jsonl")
     code, out, err = cli(capsys, "--model", GOLDEN, "--data-path", path, *SMALL, "--json")

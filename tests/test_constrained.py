@@ -213,6 +213,7 @@ def replays(tokenizer, grammar, tokens) -> bool:
 
 
 @pytest.mark.parametrize("name", ["optional", slow("escapes")])
+@pytest.mark.slow
 def test_answer_plain_stream_validates(loaded, name):
     """`stream_generate` at temperature 1: a stop and a valid answer, for a few seeds."""
     model, tokenizer = loaded
@@ -466,6 +467,7 @@ def test_reasoning_is_free_until_the_budget(loaded):
     assert brace[0] in allowed(after) and len(allowed(after)) < 10
 
 
+@pytest.mark.slow
 def test_reasoning_budget_then_answer(loaded):
     """Thinking, sampled: `</think>` at or before the budget, then a valid answer."""
     model, tokenizer = loaded
@@ -549,6 +551,7 @@ def test_server_fields_name_the_bad_field(loaded, kwargs, param):
 
 
 @pytest.mark.parametrize("name", ["optional", slow("escapes"), slow("nested"), slow("tool")])
+@pytest.mark.slow
 def test_dspark_greedy_equals_plain(drafting, name):
     model, tokenizer = drafting
     grammar = call_grammar(tokenizer, [SMALL_TOOL]) if name == "tool" else \
@@ -574,6 +577,7 @@ class Refused:
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), slow(Sampling(temp=1.0))])
+@pytest.mark.slow
 def test_refused_drafts_never_accepted(drafting, sampling):
     """The drafts are a token the grammar refuses, which a processor before the constraint
     makes the unshaped target's first choice: none is accepted and, greedy, the tokens are

@@ -168,6 +168,7 @@ def test_generate_command_with_the_demo_model(demo, capsys):
     ("inspect_cache.py", "global-KV bytes per token"),
     ("batch_generate.py", "joins 2 running"),
 ])
+@pytest.mark.slow
 def test_examples(demo, script, expected, monkeypatch, capsys):
     folder, _ = demo
     path = REPO / "examples" / script

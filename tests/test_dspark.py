@@ -80,6 +80,7 @@ class Oracle:
 
 # The confidence test covers the blocks in between; k = 1 (40 cycles) is slow.
 @pytest.mark.parametrize("k", [slow(1), 5])
+@pytest.mark.slow
 def test_greedy_equals_plain_greedy(tiny, k):
     model, prompt = tiny
     plain, plain_cache = plain_run(model, prompt, 40)
@@ -138,6 +139,7 @@ class ConfidentFor(Oracle):
 
 
 @pytest.mark.parametrize("threshold,k", [(0.5, 2), (0.85, 1), (0.95, 0), (0.1, 3), (0.01, 4)])
+@pytest.mark.slow
 def test_confidence_schedule_verifies_the_surviving_prefix(tiny, threshold, k):
     """Running products 0.9, 0.81, 0.405, 0.0405, 0.004: a threshold verifies exactly the drafts
     whose product stays above it (all right, so all accepted), and the output is plain greedy."""
@@ -270,6 +272,7 @@ def test_batch_is_refused_in_one_line(tiny):
 
 
 @pytest.mark.parametrize("right", [5, slow(0)])
+@pytest.mark.slow
 def test_logits_processors_shape_every_verify_row(tiny, right):
     """Logits processors (mlx-lm's repetition penalty, then one that allows only the token after
     the last one) with drafts equal plain decoding with them: each verify row is shaped with the
@@ -295,6 +298,7 @@ def test_logits_processors_shape_every_verify_row(tiny, right):
 
 
 @pytest.mark.parametrize("rollback", [None, slow(0), slow(5)])
+@pytest.mark.slow
 def test_ced_prefill_fills_the_draft_rings(goldens, rollback):
     """The CED halo covers the rows the draft rings need: after an exact CED prefill the rings
     equal a full prefill's, and after the largest trim the cache allows they equal a full

@@ -41,6 +41,7 @@ def drafts_along(goldens, name, mode, steps):
 
 
 @pytest.mark.parametrize("mode", ["fixed", "ref"])
+@pytest.mark.slow
 def test_grow_drafts_in_the_exact_regime(goldens, mode):
     drafts, ref = drafts_along(goldens, "grow", mode, EXACT_STEPS)
     for s, (tokens, logits, confidence) in enumerate(drafts):
@@ -51,6 +52,7 @@ def test_grow_drafts_in_the_exact_regime(goldens, mode):
 
 
 @pytest.mark.parametrize("mode", ["fixed", "ref"])
+@pytest.mark.slow
 def test_tiny_draft_agreement(goldens, mode):
     drafts, ref = drafts_along(goldens, "tiny", mode, 40)
     ids = ref[f"decode_{mode}.dspark_output_ids"]

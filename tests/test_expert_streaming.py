@@ -77,6 +77,7 @@ def test_the_tiny_checkpoints_expert_sizes(resident):
 
 
 @pytest.mark.parametrize("budget", budgets())
+@pytest.mark.slow
 def test_prefill_and_decode_are_the_resident_bits(resident, budget):
     prompt, follow = tokens(70), tokens(12, seed=1)
     expected = run_logits(resident, prompt, follow)
@@ -108,6 +109,7 @@ def test_a_prefill_chunk_reads_each_expert_once(resident):
     assert again.loads == 0 and again.hits == again.routed == stats.routed
 
 
+@pytest.mark.slow
 def test_a_batch_of_mixed_lengths_is_the_resident_bits(resident):
     """Six sequences decode together with 5 slots: each step routes to more experts than the
     slots (waves), and every sequence's logits stay the resident batch's."""
@@ -446,6 +448,7 @@ def test_image_prompts_are_the_resident_bits(tmp_path):
 # ---------------------------------------------------------------- read-ahead
 
 
+@pytest.mark.slow
 def test_read_ahead_is_taken_and_changes_no_bits(resident):
     prompt, follow = tokens(40, seed=7), tokens(20, seed=8)
     runs = {}

@@ -307,6 +307,7 @@ def test_cli_prompt_options(capsys, monkeypatch, loaded, cached_load):
 @pytest.mark.parametrize("name, flags", [
     ("prompt.safetensors", ()), ("p.cache", ()),
     ("dspark.cache", ("--dspark", "-m", "8", "--draft-confidence", "0.3"))])
+@pytest.mark.slow
 def test_cli_prompt_cache_file(capsys, tmp_path, cached_load, name, flags):
     path = tmp_path / name
     argv = ("-p", "Hello there", "-m", "2", *flags, "--prompt-cache-file", str(path))

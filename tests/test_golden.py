@@ -76,6 +76,7 @@ def runs(goldens):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_grow_exact_regime(goldens, runs, mode):
     g = goldens("grow")
     prefill, decode = runs("grow", mode)[:2]
@@ -85,6 +86,7 @@ def test_grow_exact_regime(goldens, runs, mode):
     assert (np.array(decode.argmax(-1)) == np.array(g.decode(mode, "argmax")))[:16].all()
 
 
+@pytest.mark.slow
 def test_tiny_prefill_exact_regime(goldens, runs):
     g = goldens("tiny")
     prefill = runs("tiny", "fixed").prefill
@@ -111,6 +113,7 @@ def test_prefill_statistics(goldens, runs, name, mean_bound, argmax_bound):
                                                  ("grow", "fixed", 47), ("grow", "ref", 43),
                                                  slow("schedule", "fixed", 17),
                                                  slow("schedule", "ref", 10)])
+@pytest.mark.slow
 def test_decode_argmax_agreement(goldens, runs, name, mode, min_agree):
     g = goldens(name)
     decode = runs(name, mode).decode
@@ -190,6 +193,7 @@ def test_index_k_switch(goldens):
                 assert differs == (s % 2 == 1), (mode, s, layer)  # positions 6 and 8 are even
 
 
+@pytest.mark.slow
 def test_noise_floor(goldens):
     """A 1e-7 relative change of one layer's mHC weights moves our own logits by O(1): the
     reason the whole-run tolerances above cannot be 1e-2."""

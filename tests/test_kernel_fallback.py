@@ -52,6 +52,7 @@ def test_kernels_that_pass_are_kept():
 
 @pytest.mark.parametrize("factory,reason", [(not_compiling(), "MetalCompileError"),
                                             (zeros, "KernelMismatch")])
+@pytest.mark.slow
 def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason, goldens, tiny_model):
     kernels, messages = _build(factory)
     assert len(messages) == len(OPS)

@@ -163,6 +163,7 @@ def teacher_forced(ours, theirs, ids, chunks):
 
 
 @pytest.mark.parametrize("numerics", ["aligned", "default"])
+@pytest.mark.slow
 def test_layers_match_mlx_lm_under_teacher_forcing(dense_folder, numerics, monkeypatch):
     ours, theirs = load_both(dense_folder, numerics, monkeypatch)
     errors, _, heads = teacher_forced(ours, theirs, prompt(sum(CHUNKS)), CHUNKS)

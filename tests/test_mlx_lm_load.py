@@ -126,6 +126,7 @@ def test_mlx_lm_load_reads_no_more_than_ours(folder, theirs):
     assert mlx_lm < ours + weights / 10
 
 
+@pytest.mark.slow
 def test_mlx_lm_generate_step_matches_our_greedy_stream(ours, theirs):
     """mlx-lm prefills in chunks (all but the last token) and then decodes one token a step;
     its greedy tokens equal mlx_v41's (a prefill step of 7 splits the prompt raggedly)."""

@@ -40,6 +40,7 @@ def test_cached_equals_uncached_over_random_splits(tiny_ops, prompt, seed):
 
 
 @pytest.mark.parametrize("step", [slow(7), 13])
+@pytest.mark.slow
 def test_fixed_step_chunks_over_the_whole_prompt(tiny_ops, goldens, step):
     """Chunks of 7 once made the top-k come out in another order than one call (argpartition
     order depends on how many rows are scored), which changed attention's summation order."""
@@ -48,12 +49,14 @@ def test_fixed_step_chunks_over_the_whole_prompt(tiny_ops, goldens, step):
     assert mx.array_equal(chunked, tiny_ops(ids))
 
 
+@pytest.mark.slow
 def test_token_by_token_equals_prefill(tiny_ops, prompt):
     ids = prompt[:, :40]
     chunked, _ = _chunked(tiny_ops, ids, range(1, 40))
     assert mx.array_equal(chunked, tiny_ops(ids))
 
 
+@pytest.mark.slow
 def test_batch_of_two_equals_two_batches_of_one(tiny_ops, prompt):
     other = prompt[:, ::-1]
     both = tiny_ops(mx.concatenate([prompt, other], axis=0))

@@ -25,6 +25,7 @@ def models(tiny_model):
     return simulated, reference
 
 
+@pytest.mark.slow
 def test_forward_through_simulated_kernels(models, goldens):
     simulated, reference = models
     ids = goldens("tiny").prompt[None, :40].astype(mx.int32)
@@ -70,6 +71,7 @@ def counted_simulated_kernels(calls: dict) -> tuple:
     return kernels, fields
 
 
+@pytest.mark.slow
 def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
     """The Metal path as a Mac runs it: every kernel, the fused ones too (`inexact=True`:
     norms, router, SwiGLU, window rows, query RoPE, index queries), through the simulator, each
@@ -92,6 +94,7 @@ def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
     assert sorted(calls) == sorted(fields), set(fields) - set(calls)
 
 
+@pytest.mark.slow
 def test_a_batch_on_the_simulated_kernels_stacks_and_equals_each_sequence_alone(tiny_model):
     """The Metal path of a batched decode step: with every kernel simulated (the inexact ones
     too; mHC as its ops, as above), sequences at different positions, windows full or still

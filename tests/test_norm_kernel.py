@@ -247,6 +247,7 @@ def test_a_failing_kernel_warns_once_and_runs_its_ops(factory, reason):
     assert len(messages) == 1 and "v41_norm" in messages[0] and reason in messages[0], messages
 
 
+@pytest.mark.slow
 def test_model_with_the_kernel_matches_the_ops(goldens, tiny_model):
     """The tiny golden model with every norm chain through the simulated kernel (4 per layer
     and the final norm): prompt logits and two decode steps equal the ops' (measured: bit for

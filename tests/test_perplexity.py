@@ -63,6 +63,7 @@ def test_token_losses_are_the_cross_entropy():
                                numpy_losses(logits, targets), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_perplexity_is_exp_of_the_mean_loss_of_the_models_logits(loaded, data):
     model, _ = loaded
     result = evaluate_perplexity(model, data, batch_size=2)
@@ -75,6 +76,7 @@ def test_perplexity_is_exp_of_the_mean_loss_of_the_models_logits(loaded, data):
     assert result.seconds > 0 and result.tokens_per_second > 0
 
 
+@pytest.mark.slow
 def test_a_setting_equals_its_own_recomputation_at_any_batch_size(loaded, data):
     model, _ = loaded
     first = evaluate_perplexity(model, data, batch_size=2)
@@ -85,6 +87,7 @@ def test_a_setting_equals_its_own_recomputation_at_any_batch_size(loaded, data):
         (first.perplexity, first.standard_error)
 
 
+@pytest.mark.slow
 def test_an_exact_prompt_prefill_scores_what_one_forward_does(loaded, data):
     model, _ = loaded
     whole = sequence_losses(model, data[:2])
@@ -96,6 +99,7 @@ def test_an_exact_prompt_prefill_scores_what_one_forward_does(loaded, data):
         sequence_losses(model, data[:1], context=48)
 
 
+@pytest.mark.slow
 def test_the_bounded_replay_is_scored_as_an_approximation(data):
     exact = mlx_v41.load_model(GOLDEN, prefill_mode="ced")
     replay = mlx_v41.load_model(GOLDEN, prefill_mode="ced_replay")

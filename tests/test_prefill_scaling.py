@@ -48,6 +48,7 @@ def _evaluations(model, ids, monkeypatch) -> tuple:
 
 
 @pytest.mark.parametrize("host_sinkhorn", [False, slow(True)])
+@pytest.mark.slow
 def test_one_evaluation_per_chunk_at_any_context(tiny_ops, goldens, monkeypatch, host_sinkhorn):
     """Key blocks of 8 rows and one query row per score block: 3 chunks and 11 chunks of 8
     tokens evaluate exactly once per chunk (the chunk's own evaluation), the last chunk of
@@ -72,6 +73,7 @@ def test_one_evaluation_per_chunk_at_any_context(tiny_ops, goldens, monkeypatch,
         assert (sides // 2 < host <= sides) if host_sinkhorn else host == 0, (host, sides)
 
 
+@pytest.mark.slow
 def test_blocked_prefill_equals_unblocked_at_the_last_chunk(tiny_ops, goldens, monkeypatch):
     """The same prompt, selections blocked over 8-row key blocks (several per layer, so the
     running top-k drops earlier picks) or in one block: identical logits."""

@@ -54,6 +54,7 @@ class Stop(Exception):
 
 @pytest.mark.parametrize("mode", ["ced", "full"])
 @pytest.mark.parametrize("before", [0, 50])
+@pytest.mark.slow
 def test_failed_prefill_leaves_the_cache_as_it_was(models, prompt, mode, before):
     """A progress callback that raises after the second chunk: the cache is exactly as before
     the call, and the next call gives the logits of a cache that never saw the failed one."""
@@ -195,6 +196,7 @@ def test_input_embeddings_replace_the_token_embeddings(models, prompt):
     assert not mx.allclose(other, model(ids, last_only=True)).item()
 
 
+@pytest.mark.slow
 def test_taps_are_the_streams_entering_the_layer(models, prompt):
     """Taps (DSpark's inputs): the mean over the copies of the streams entering a layer, for
     every row a layer computes; chunked == one call; a CED decoder tap holds the halo rows,

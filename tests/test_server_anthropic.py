@@ -123,6 +123,7 @@ def test_thinking_and_text_blocks(live, client):
     assert rendered(live).endswith(cf.USER + "Hello there" + cf.ASSISTANT + cf.THINK_START)
 
 
+@pytest.mark.slow
 def test_streamed_helpers_equal_the_whole_reply(live, client):
     fields = forced(live, "stream", "Hmm.</think>Streamed answer.")
     whole = client.messages.create(model=MODEL_ID, max_tokens=40, messages=HELLO, **fields)
@@ -242,6 +243,7 @@ def roundtrip_request() -> tuple:
     return system["content"], tools, user, generated, tool["content"]
 
 
+@pytest.mark.slow
 def test_tool_use_round_trip_renders_the_official_prompt_from_the_cache(swa, swa_client):
     system, tools, user, generated, result = roundtrip_request()
     fields = forced(swa, "tool", generated)
@@ -273,6 +275,7 @@ SMALL_CALL = (f'\n\n{cf.CALLS_OPEN}\n{cf.INVOKE_OPEN} name="f">\n{cf.PARAM_OPEN}
               f'{cf.PARAM_CLOSE}\n{cf.INVOKE_CLOSE}\n{cf.CALLS_CLOSE}')
 
 
+@pytest.mark.slow
 def test_streamed_tool_use_arrives_as_input_json(swa, swa_client):
     fields = forced(swa, "small", "Calling." + SMALL_CALL)
     with swa_client.messages.stream(model=MODEL_ID, max_tokens=200, tools=[SMALL_TOOL],
@@ -341,6 +344,7 @@ NAMED = {"type": "tool", "name": "weather", "disable_parallel_tool_use": True}
 
 @pytest.mark.parametrize("choice, seed", [(ANY, 0), slow(ANY, 1), slow(ANY, 2), (NAMED, 0),
                                           slow(NAMED, 1), slow(NAMED, 2)])
+@pytest.mark.slow
 def test_forced_tool_use_validates_against_the_schema(swa_client, choice, seed):
     """Sampled (temperature 1) from the random model: the grammar alone makes the call."""
     tools = [{"name": "weather", "input_schema": WEATHER},
@@ -513,6 +517,7 @@ def test_errors_through_the_client_and_other_paths_keep_openai_shape(live, clien
     assert get(live.port, "/health") == (200, {"status": "ok", "model": MODEL_ID})
 
 
+@pytest.mark.slow
 def test_a_failing_request_leaves_the_server_healthy(live, client):
     live.hook.scripts["boom"] = RuntimeError("boom in a processor")
     entries = [(e.state.tokens, e.nbytes) for e in live.store.entries]

@@ -73,6 +73,7 @@ def chat(live, text, max_tokens, results, key, **extra):
     results[key] = (reply.choices[0].message.content, reply.usage.completion_tokens)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_batch_and_equal_batch_one(live):
     model, tokenizer = tiny()
     texts = [words(k, n) for k, n in enumerate([1, 6, 30, 90, 3, 45])]
@@ -132,6 +133,7 @@ def test_a_client_that_leaves_mid_prompt_frees_the_worker(live):
     assert not live.engine.generator.sequences
 
 
+@pytest.mark.slow
 def test_a_failing_request_fails_alone(live):
     model, tokenizer = tiny()
     live.hook.scripts["boom"] = RuntimeError("processor broke")

@@ -68,6 +68,7 @@ def test_second_turn_prefills_only_the_new_tokens(live):
     assert second.usage.prompt_tokens - cached == len(new_turn_tokens("And then?", cf.THINK_END))
 
 
+@pytest.mark.slow
 def test_thinking_turn_resumes_from_the_prompt_snapshot(live):
     """Thinking mode drops turn 1's reasoning and closes its header with `</think>`: the cache
     of the prompt (up to `<think>`) serves; the reply's own is too far off to roll back."""

@@ -122,6 +122,7 @@ def test_streamed_json_and_several_choices(client):
         jsonschema.validate(json.loads(choice.message.content), RECORD)
 
 
+@pytest.mark.slow
 def test_required_and_named_tool_choice(client):
     for seed in range(3):
         reply = client.chat.completions.create(
@@ -363,6 +364,7 @@ def chat_mode(loaded):
     server.close()
 
 
+@pytest.mark.slow
 def test_forced_calls_and_answers_end_in_every_api(chat_mode):
     check_replies_end(chat_mode)
 
@@ -392,6 +394,7 @@ def no_markup(text) -> None:
     assert not text or (cf.DSML not in text and "<" not in text), text
 
 
+@pytest.mark.slow
 def test_a_call_cut_off_by_max_tokens_is_reported_as_truncated(chat_mode):
     """A forced call whose string parameter runs past max_tokens: no call, no DSML in the
     text, and the finish says so: length, max_tokens, incomplete (streamed too)."""
@@ -486,6 +489,7 @@ def finite_numbers(value) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_logprobs_under_a_constraint_are_finite(chat_mode):
     """logprobs with top_logprobs 5 under a JSON schema and under a forced call: the tokens
     the grammar masked are left out of top_logprobs (often fewer than 5 remain) and no
@@ -563,6 +567,7 @@ def test_special_tokens_never_reach_a_reply_and_the_next_turn_takes_it(forced):
 
 
 
+@pytest.mark.slow
 def test_nested_pydantic_models_as_tools_and_answers(chat_mode):
     """A forced call of `pydantic_function_tool(Place)` (OpenAI strict mode: `$ref`s into
     `$defs`, refused with 400 "Pointer '/$defs/Point' does not exist" when each parameter

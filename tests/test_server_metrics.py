@@ -135,6 +135,7 @@ def test_requests_refused_before_routing_count_under_their_route():
         server.close()
 
 
+@pytest.mark.slow
 def test_gauges_follow_a_queued_and_a_prefilling_request(live):
     engine = live.engine
     m = scrape(live)
@@ -235,6 +236,7 @@ def streamed_lines(server, path: str, body: dict) -> list:
 
 
 @pytest.mark.parametrize("path", list(STREAMS))
+@pytest.mark.slow
 def test_keepalives_carry_a_short_read_timeout_through_a_long_prefill(live, path):
     lines = streamed_lines(live, path, STREAMS[path])
     if path == "/v1/messages":  # Anthropic's pings, each after message_start
@@ -246,6 +248,7 @@ def test_keepalives_carry_a_short_read_timeout_through_a_long_prefill(live, path
         assert lines.count(": keepalive") > 2
 
 
+@pytest.mark.slow
 def test_without_keepalives_the_short_read_timeout_fails():
     model, tokenizer = tiny()
     server = LiveServer(model, tokenizer, hook=SlowFirstToken(), keepalive_seconds=0)
@@ -256,6 +259,7 @@ def test_without_keepalives_the_short_read_timeout_fails():
         server.close()
 
 
+@pytest.mark.slow
 def test_the_sdks_read_through_a_long_prefill(live):
     timeout = httpx2.Timeout(30, read=READ_TIMEOUT)
     stream = live.client(timeout=timeout).chat.completions.create(

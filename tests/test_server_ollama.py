@@ -181,6 +181,7 @@ def test_think_on_and_off(live, client):
     assert rendered(live).endswith(cf.ASSISTANT + cf.THINK_END)
 
 
+@pytest.mark.slow
 def test_tool_calls_and_their_round_trip(live, client):
     """A call the model writes (forced; no tools sent, so the prompt stays short) comes back
     whole in `tool_calls`, streamed or not; sent back with its result, both are rendered."""

@@ -256,6 +256,7 @@ def replying(live, count: int, seconds: float = 60) -> None:
 
 
 @pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.slow
 def test_a_drain_lets_a_reply_finish_and_refuses_new_requests(tmp_path, serial):
     model, tokenizer = tiny()
     folder = tmp_path / "prompts"
@@ -292,6 +293,7 @@ def test_a_drain_lets_a_reply_finish_and_refuses_new_requests(tmp_path, serial):
     assert list(folder.glob("*.safetensors"))  # the prompt caches were written
 
 
+@pytest.mark.slow
 def test_past_the_grace_replies_end_with_their_api_error(tmp_path, caplog):
     model, tokenizer = tiny()
     live = LiveServer(model, tokenizer, hook=Slow(tokenizer, 0.05),

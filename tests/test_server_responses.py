@@ -205,6 +205,7 @@ def test_streamed_function_call(live, client):
 
 # ----------------------------------------------------------------------------- stored responses
 
+@pytest.mark.slow
 def test_function_call_round_trip_hits_the_prompt_cache(live, client):
     """The second turn sends only the function_call_output: its prompt is the first prompt,
     the first reply and the new turn, and the cache holds all of the first two."""
@@ -343,6 +344,7 @@ def test_bad_input_is_an_openai_error(live, body, status, param, words):
     assert caches(live) == entries and len(live.app.state.responses) == stored
 
 
+@pytest.mark.slow
 def test_a_failing_request_leaves_the_server_healthy(live, client):
     live.hook.scripts["boom"] = RuntimeError("boom in a processor")
     entries, stored = caches(live), len(live.app.state.responses)
@@ -370,6 +372,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.mark.parametrize("seed", [0, slow(1), slow(2)])
+@pytest.mark.slow
 def test_json_schema_answer_validates(client, seed):
     reply = client.responses.create(
         model=MODEL_ID, input="A person, please.", reasoning=CHAT_MODE, temperature=1.0,
@@ -404,6 +407,7 @@ def test_json_object_answer_after_reasoning(live, client):
 
 @pytest.mark.parametrize("choice", [slow("required"),
                                     {"type": "function", "name": "get_weather"}])
+@pytest.mark.slow
 def test_forced_function_call(live, client, choice):
     """After a (forced) reasoning, the grammar writes the call (the prompt is the round trip's
     first, which the prompt cache holds)."""

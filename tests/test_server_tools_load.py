@@ -55,6 +55,7 @@ def check_call(call, arguments_text):
     assert json.loads(arguments_text) == {"city": "Paris", "days": 2}
 
 
+@pytest.mark.slow
 def test_tool_call_streamed_and_not_then_follow_up(live, client):
     request, tools, generated, tool = roundtrip_parts()
     live.hook.add("tool", generated)

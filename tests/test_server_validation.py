@@ -114,6 +114,7 @@ def test_every_optional_field_may_be_null(path):
     assert [where for where, field in fields if not nullable(field)] == []
 
 
+@pytest.mark.slow
 def test_null_is_the_default(live):
     status, reply = post(live.port, CHAT, {
         "messages": HI, "max_tokens": 1, "stream": None, "n": None, "parallel_tool_calls": None,
@@ -292,6 +293,7 @@ def test_anthropic_tool_names(live, tools, words):
     assert anthropic_message(live, COUNT, {"messages": HI, "tools": tools}).startswith(words)
 
 
+@pytest.mark.slow
 def test_the_longest_tool_names_each_api_allows_are_accepted(live):
     """OpenAI's 64 characters; Anthropic's 128."""
     tool = {"type": "function", "function": {"name": "a-Z_9" * 12 + "abcd"}}
@@ -308,6 +310,7 @@ def completion_text(live, **fields) -> str:
     return reply["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_openai_ranges_accepted(live):
     """Seeds are OpenAI's int64 (a negative one samples as seed + 2**64), top_p 0 is the most
     likely token alone (greedy), and a whole number may be written 2.0."""

@@ -91,6 +91,7 @@ def chat(server, messages, **fields):
 
 # ----------------------------------------------------------------------------- replies
 
+@pytest.mark.slow
 def test_image_reply_equals_stream_generate(live, loaded, twins):
     messages = [image_message("What is this?", twins[0])]
     text, tokens, prompt_tokens = reference(loaded, messages, 5)
@@ -107,6 +108,7 @@ def test_image_reply_equals_stream_generate(live, loaded, twins):
     assert other != text  # the reply depends on the pixels, not only the token ids
 
 
+@pytest.mark.slow
 def test_image_part_spellings_and_streaming(live, loaded, twins):
     """The string form of `image_url`, the `image` and `input_image` part types, and a
     streamed reply (with usage) all give the same reply."""
@@ -128,6 +130,7 @@ def test_image_part_spellings_and_streaming(live, loaded, twins):
     assert chunks[-1].usage.completion_tokens == len(tokens)
 
 
+@pytest.mark.slow
 def test_two_images_fill_their_placeholders_in_order(live, loaded, twins):
     parts = [{"type": "image_url", "image_url": {"url": data_uri(path)}} for path in twins]
     messages = [{"role": "user", "content": [parts[0], {"type": "text", "text": "or"},
@@ -157,6 +160,7 @@ def fresh_reply(loaded, messages, max_tokens: int) -> str:
     return reference(loaded, messages, max_tokens)[0]
 
 
+@pytest.mark.slow
 def test_second_turn_with_the_same_image_reuses_it(live, loaded, twins):
     """Turn 2 resumes from turn 1's prompt and reply; with image 1 in image 0's place
     (equal token ids, other pixels) nothing from the span on is reused (here nothing at all:
@@ -202,6 +206,7 @@ def test_another_image_reuses_only_the_text_before_it(live, loaded, twins):
                      loaded, twins, "L")
 
 
+@pytest.mark.slow
 def test_prompt_cache_dir_keeps_the_image_keys(loaded, twins, tmp_path):
     """Each request on a new server that starts from the folder alone."""
     model, tokenizer = loaded

@@ -88,6 +88,7 @@ def test_patches_exact(prompt, ref):
 
 # Measured: block 0 3.0e-3 / 3.1e-3, vit_out 5.6e-3 / 6.3e-3 (images 0 / 1); a wrong RoPE
 # axis order or layout gives 0.5-0.9 on block 0's update.
+@pytest.mark.slow
 def test_vit(model, prompt, ref):
     for k, image in enumerate(prompt.images):
         captured = {}
@@ -106,6 +107,7 @@ def test_attention_blocks_change_no_bits(model, prompt):
 
 
 # Measured: on the golden's vit_out 1e-5 / 1.8e-4; after our ViT 6.9e-3 / 7.5e-3.
+@pytest.mark.slow
 def test_aligner(model, prompt, ref):
     for k, image in enumerate(prompt.images):
         grid = image.grid
@@ -142,6 +144,7 @@ def test_layer0_exact_regime(golden_run, ref):
 
 # Measured on the golden's rows: mean |dlogit| 0.40, argmax agreement 0.73 (tiny's text
 # golden: 0.27 / 0.81); through our tower: 0.98 / 0.39.
+@pytest.mark.slow
 def test_prompt_logits(model, prompt, ref, golden_run):
     expected = ref["prefill.logits_all"].astype(mx.float32)
     for logits, mean_bound, agree_bound in ((golden_run[0], 0.55, 0.65),
@@ -155,6 +158,7 @@ def test_prompt_logits(model, prompt, ref, golden_run):
 
 # Measured: 8 / 8 (fixed) and 7 / 8 (ref) teacher-forced decode argmaxes agree.
 @pytest.mark.parametrize("mode,min_agree", [("fixed", 7), ("ref", 6)])
+@pytest.mark.slow
 def test_decode_after_images(folder, prompt, ref, mode, min_agree):
     model = reference_ops(mlx_v41.load_model(folder,
                                              compat_reference_index_k_bug=(mode == "ref")))
@@ -183,6 +187,7 @@ def test_engram_hash_dead_spans(model, prompt, ref):
         assert same.item() == masked
 
 
+@pytest.mark.slow
 def test_bias_vl_only_at_image_positions(model, prompt, ref, golden_run):
     """Selecting with `bias` instead of `bias_vl` changes layer 0's experts at image positions
     and nowhere else, and nothing at all before the first span."""

@@ -162,6 +162,7 @@ def test_prompt_cache_never_pairs_a_prefix_with_another_image(loaded, twins):
 # ---------------------------------------------------------------- API
 
 
+@pytest.mark.slow
 def test_stream_generate_with_images(loaded):
     """`images=` fills the placeholders in order; text and token-id prompts, and chat image
     blocks through apply_chat_template, give the model's own greedy tokens."""
@@ -218,6 +219,7 @@ def test_vision_true_needs_the_tensors(tmp_path):
         mlx_v41.load_model(bare, vision=True)
 
 
+@pytest.mark.slow
 def test_converted_folder_keeps_the_tower_bf16(loaded, folder, tmp_path, twins):
     """A requantized conversion keeps every tower tensor verbatim (BF16), so image logits
     equal the published folder's when the text weights are kept exact too."""
@@ -260,6 +262,7 @@ def run_generate(capsys, folder, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_cli_image_flags(capsys, folder, loaded, cached_load, twins):
     model, tokenizer = loaded
     code, out, _ = run_generate(capsys, folder, "--image", str(twins[0]), "--image",
@@ -355,6 +358,7 @@ def test_dspark_after_an_image_prompt(folder, twins):
     assert drafted == plain and len(plain) == 8
 
 
+@pytest.mark.slow
 def test_image_prompts_in_a_batch(loaded):
     """Image prompts are prefilled alone, then decode in a batch with text prompts: every
     sequence gets its batch-1 tokens."""

@@ -152,7 +152,7 @@ class Attention(nn.Module):
                       n_out: int) -> mx.array:
         """`_attend` of each sequence of a batch: those whose window rows all come from a
         full ring at once (`_attend_stacked`), the others one by one."""
-        stacked = self._stackable(ctx, caches, x.shape[1], n_out)
+        stacked = self._stackable(caches, x.shape[1], n_out)
         parts = []
         if stacked:
             parts.append(self._attend_stacked(
@@ -168,7 +168,7 @@ class Attention(nn.Module):
     # batch row); True: only where every dispatcher runs its ops (the path before that).
     stack_on_ops_only = False
 
-    def _stackable(self, ctx: BatchState, caches: list, n_in: int, n_out: int) -> list:
+    def _stackable(self, caches: list, n_in: int, n_out: int) -> list:
         """The sequences `_attend_stacked` takes: every row a query, and a ring with room for
         the call's rows (windows full or still filling alike). Its dispatchers are the ones
         `_attend` calls, with a position per batch row, so each row gets the values of its own

@@ -364,11 +364,13 @@ def _stack_experts(shards: _Shards, entries: list, params: dict, target: str,
         raise CheckpointError(f"tensor {by_id[0]}: {e}") from None
     # Stacked now: the experts' separate copies are freed here, not at the end of the load
     # (which would hold every expert twice). Their scales' NaN check in the same evaluation.
-    peaks = mx.max(stacked.reshape(stacked.shape[0], -1), axis=1)
-    mx.eval(w, s, peaks)
-    if shards.checks_values and stacked.size:
-        names = [f"{by_id[e]}.scale" for e in ids]
-        nan_scale_check([(shards.file(n).path, n, peak) for n, peak in zip(names, peaks.tolist())])
+    checked = shards.checks_values and stacked.size
+    peaks = [mx.max(stacked.reshape(stacked.shape[0], -1), axis=1)] if checked else []
+    mx.eval(w, s, *peaks)
+    for e, peak in zip(ids, peaks[0].tolist() if checked else []):
+        if peak == E8M0_NAN:
+            name = f"{by_id[e]}.scale"
+            nan_scale_check([(shards.file(name).path, name, peak)])
     return {f"{target}.weight": w, f"{target}.scales": s}
 
 

@@ -497,3 +497,39 @@ def test_repl_in_a_terminal_survives_ctrl_c():
         os.close(fd)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, log[0]
     assert "Traceback" not in log[0]
+
+
+def test_a_ctrl_c_taken_by_another_thread_still_stops_the_wait_for_input():
+    """SIGINT delivered to a thread other than the main one (as the kernel may pick one of
+    MLX's): the main thread, blocked in a read as readline's select is, still gets its
+    KeyboardInterrupt inside `interrupts_reach_input`."""
+    import signal
+    import threading
+
+    from mlx_v41.cli.chat_input import interrupts_reach_input
+
+    read_end, write_end = os.pipe()
+    parked = threading.Event()
+    other = threading.Thread(target=parked.wait, args=(10,))
+    other.start()
+
+    def interrupt_the_other_then_unblock():
+        time.sleep(0.3)
+        signal.pthread_kill(other.ident, signal.SIGINT)
+        time.sleep(3)
+        os.write(write_end, b"x")  # without the fix: the read ends here, uninterrupted
+
+    helper = threading.Thread(target=interrupt_the_other_then_unblock)
+    helper.start()
+    tic = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_reach_input():
+                os.read(read_end, 1)
+        assert time.monotonic() - tic < 2.5
+    finally:
+        parked.set()
+        other.join()
+        helper.join()
+        os.close(read_end)
+        os.close(write_end)

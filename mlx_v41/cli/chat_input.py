@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -71,6 +74,46 @@ class StreamLines:
         pass
 
 
+def _wake(signum, frame) -> None:
+    """SIGUSR1 while `input()` waits: it only wakes the wait, so pending handlers run."""
+
+
+@contextmanager
+def interrupts_reach_input():
+    """A Ctrl-C while `input()` waits stops the wait. Readline waits in select() on the
+    terminal, which a signal interrupts only in the thread the kernel hands it to, and that may
+    be one of MLX's threads: then Python's SIGINT handler is pending, but the main thread
+    sleeps on. A watcher thread sees every signal on the wakeup fd and, for a SIGINT, sends
+    SIGUSR1 (a no-op handler) to the main thread, whose interrupted select then runs the
+    pending handlers: KeyboardInterrupt. (A SIGINT that reached the main thread itself already
+    did; the extra SIGUSR1 changes nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.signal(signal.SIGUSR1, _wake)  # kept: a late SIGUSR1 must find it
+    old_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    main, done = threading.main_thread().ident, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if select.select([read_end], [], [], 0.1)[0] and \
+                    signal.SIGINT in os.read(read_end, 64) and not done.is_set():
+                signal.pthread_kill(main, signal.SIGUSR1)
+
+    watcher = threading.Thread(target=watch, name="mlx_v41-ctrl-c", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        signal.set_wakeup_fd(old_fd)
+        os.close(read_end)
+        os.close(write_end)
+
+
 class TerminalLines:
     """Lines typed at a terminal through `input()` with the `readline` module loaded: editing,
     the arrow keys, Ctrl-R. The history holds whole messages (a block as one entry, recalled
@@ -90,7 +133,8 @@ class TerminalLines:
 
     def read(self, prompt: str) -> Optional[str]:
         try:
-            return input(prompt)
+            with interrupts_reach_input():
+                return input(prompt)
         except EOFError:  # Ctrl-D
             return None
 

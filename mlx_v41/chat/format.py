@@ -498,3 +498,15 @@ def parse_completion(text, thinking_mode="chat") -> dict:
     _check_no_special_tokens(content, "content")
     return {"role": "assistant", "reasoning_content": reasoning, "content": content,
             "tool_calls": tool_calls, "is_finished": is_finished}
+
+
+def held_suffix(text: str, markers) -> int:
+    """Length of the longest end of `text` that starts one of `markers` (a proper prefix):
+    text a stream may still turn into a marker, held back until the next piece decides."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..chat.format import THINK_END
+from ..chat.format import THINK_END, held_suffix
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 CLEAR_LINE = "\r\x1b[2K"  # back to the line's start, then erase it
@@ -21,14 +21,6 @@ def is_styled(out) -> bool:
     """Whether `out` takes ANSI styles: a terminal, and NO_COLOR (no-color.org) unset."""
     isatty = getattr(out, "isatty", None)
     return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
-
-
-def marker_start(text: str) -> int:
-    """Length of the longest end of `text` that begins `</think>` (held until decided)."""
-    for n in range(min(len(THINK_END) - 1, len(text)), 0, -1):
-        if text.endswith(THINK_END[:n]):
-            return n
-    return 0
 
 
 class ReplyPrinter:
@@ -56,7 +48,7 @@ class ReplyPrinter:
             self._start_answer()
             self._print(answer)
             return
-        keep = marker_start(text)
+        keep = held_suffix(text, (THINK_END,))
         self.held = text[len(text) - keep:]
         self._reasoning(text[:len(text) - keep])
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat import format as cf
+from ..chat.format import held_suffix
 
 _INVOKE = re.compile(rf'\s*{cf.INVOKE_OPEN} name="([^"]*)">')
 _PARAM = re.compile(rf'\s*{cf.PARAM_OPEN} name="([^"]*)" string="(true|false)">(.*?)'
@@ -33,17 +34,6 @@ class Delta:
     kind: str
     text: str = ""
     index: int = 0
-
-
-def held_suffix(text: str, markers) -> int:
-    """Length of the longest end of `text` that starts one of `markers` (a proper prefix)."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
 
 
 @dataclass

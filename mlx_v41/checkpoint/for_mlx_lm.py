@@ -155,11 +155,9 @@ class V41TokenizerFast(PreTrainedTokenizerFast):
     def apply_chat_template(self, conversation, tools=None, add_generation_prompt=False,
                             continue_final_message=False, enable_thinking=True,
                             reasoning_effort=None, tokenize=True, return_dict=False):
-        if return_dict:
-            raise ValueError("apply_chat_template: return_dict=True is not supported")
         text = apply_chat_template(conversation, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
                                    enable_thinking=enable_thinking,
-                                   reasoning_effort=reasoning_effort)
+                                   reasoning_effort=reasoning_effort, return_dict=return_dict)
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -27,6 +27,14 @@ RECIPES = ("official", *PRESET_EXPERT_BITS)
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def resident_bytes(model) -> int:
+    """Bytes a loaded model holds: its parameters, plus the streamed experts' slots (their
+    tables on disk are not counted)."""
+    store = getattr(model, "expert_store", None)
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters())) + \
+        (0 if store is None else store.nbytes)
+
+
 def human_bytes(n: float) -> str:
     """'279.72 GB', '18.80 MB', '512 B' (decimal units, as mlx-lm prints memory)."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):

@@ -42,16 +42,13 @@ def default_kv_budget(model, prompt_cache_bytes: int = 0) -> int:
     memory as MLX reports it on a Mac, else the physical memory)."""
     import os
 
-    from mlx.utils import tree_flatten
+    from ...model.memory import resident_bytes
 
     try:
         total = mx.device_info()["memory_size"]
     except Exception:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    store = getattr(model, "expert_store", None)
-    weights += 0 if store is None else store.nbytes  # streamed experts' slots
-    return max(int(0.9 * (total - weights - prompt_cache_bytes)), 0)
+    return max(int(0.9 * (total - resident_bytes(model) - prompt_cache_bytes)), 0)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from mlx_lm.utils import get_total_parameters
 from pydantic import BaseModel
 
 from ...model.layers import configure_quantization
+from ...model.memory import resident_bytes
 from ...model.model import Model
 from ...model.vision.prompt import has_vision
 
@@ -120,7 +121,7 @@ def describe(model, model_id: str, loaded_at: datetime) -> Description:
             f"{family}.vocab_size": text.vocab_size}
     config = json.dumps(args.to_dict(), sort_keys=True, default=str)
     return Description(
-        ollama_name(model_id), details, parameters, _nbytes(layout), _nbytes(model),
+        ollama_name(model_id), details, parameters, _nbytes(layout), resident_bytes(model),
         text.max_position_embeddings, hashlib.sha256(config.encode()).hexdigest(),
         timestamp(loaded_at), CAPABILITIES + (["vision"] if has_vision(model) else []), info)
 

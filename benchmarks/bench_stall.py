@@ -1,7 +1,8 @@
 """Stall-free batching: replies' token gaps while a long prompt is read, a short request's
 time to first token behind it, and the long prompt's prefill time, for the old schedule
 (`decode_prefill_budget=None`: `prefill_step_size` chunks, the CED halo in one piece) against
-the paced one (the default "auto" budget, or --budget tokens) in the same run.
+the paced one (the default "auto" budget, or --budget tokens), its pieces between the decode
+steps or on the prompt thread (`prefill_thread=True`), in the same run.
 
 Per schedule, on one `BatchGenerator` (--prefill-step-size, greedy, no stop tokens): --decoders
 random prompts of 16-64 tokens are read and decode --before steps alone (the token gaps
@@ -73,13 +74,13 @@ def make_prompts(model, args, seed: int = 0) -> tuple:
             rng.integers(3, top, args.short_tokens).tolist())
 
 
-def run(model, name: str, budget, args) -> Result:
+def run(model, name: str, budget, args, thread: bool = False) -> Result:
     decoders, long_ids, short_ids = make_prompts(model, args)
     generator = BatchGenerator(model, stop_tokens=(), max_tokens=1 << 30,
                                completion_batch_size=args.decoders + 2,
                                prefill_step_size=args.prefill_step_size,
                                decode_prefill_budget=budget,
-                               min_prefill_chunk=args.min_chunk)
+                               min_prefill_chunk=args.min_chunk, prefill_thread=thread)
     result, times = Result(name), {}
     uids = generator.insert(decoders)
     index = {uid: i for i, uid in enumerate(uids)}
@@ -130,6 +131,7 @@ def run(model, name: str, budget, args) -> Result:
     result.prompt_seconds = generator.counters.prompt_time - prompt_time
     result.gaps_during = gaps(times, uids, inserted, times[long_uid][0])
     generator.remove([s.uid for s in generator.sequences])
+    generator.close()
     return result
 
 
@@ -154,7 +156,7 @@ def percentile(values: list, q: float) -> float:
 
 
 def report(results: list, idle) -> None:
-    old, new = results
+    old = results[0]
     print("\n| schedule | decode step alone | gaps before p50 / p99 | gaps while the long "
           "prompt is read p50 / p99 | p99 / decode step | short request: first token "
           "| long prompt: first token (prompt seconds) | steps | budget (tokens) |")
@@ -178,18 +180,19 @@ def report(results: list, idle) -> None:
               f"{percentile(r.prompt_during, 50) * 1e3:.0f} / "
               f"{percentile(r.prompt_during, 99) * 1e3:.0f}; gap p99 "
               f"{percentile(r.gaps_during, 99) / percentile(r.decode_during, 50):.1f}x")
-    p99 = [percentile(r.gaps_during, 99) for r in results]
-    print(f"\nnew / old: gap p99 {p99[1] / p99[0]:.3f}x, short request first token "
-          f"{new.short_seconds / old.short_seconds:.3f}x, long "
-          f"prompt first token {new.long_seconds / old.long_seconds:.3f}x (prompt seconds "
-          f"{new.prompt_seconds / old.prompt_seconds:.3f}x)")
+    for new in results[1:]:
+        print(f"\n{new.name} / {old.name}: gap p99 "
+              f"{percentile(new.gaps_during, 99) / percentile(old.gaps_during, 99):.3f}x, "
+              f"short request first token {new.short_seconds / old.short_seconds:.3f}x, long "
+              f"prompt first token {new.long_seconds / old.long_seconds:.3f}x (prompt seconds "
+              f"{new.prompt_seconds / old.prompt_seconds:.3f}x)")
     if idle is not None:
-        print(f"idle batch-1 prefill of the long prompt: {idle:.1f} s; long prompt first token "
-              f"/ idle: old {old.long_seconds / idle:.3f}x, new {new.long_seconds / idle:.3f}x; "
-              f"prompt seconds / idle: old {old.prompt_seconds / idle:.3f}x, new "
-              f"{new.prompt_seconds / idle:.3f}x")
-    same = all(old.tokens[i][:n] == new.tokens[i][:n] for i in old.tokens
-               for n in [min(len(old.tokens[i]), len(new.tokens[i]))])
+        print(f"idle batch-1 prefill of the long prompt: {idle:.1f} s")
+        for r in results:
+            print(f"  {r.name}: long prompt first token / idle {r.long_seconds / idle:.3f}x, "
+                  f"prompt seconds / idle {r.prompt_seconds / idle:.3f}x")
+    same = all(old.tokens[i][:n] == new.tokens[i][:n] for new in results[1:]
+               for i in old.tokens for n in [min(len(old.tokens[i]), len(new.tokens[i]))])
     print(f"replies' tokens identical across the schedules: {same}")
 
 
@@ -209,6 +212,10 @@ def main() -> None:
                         help="the paced schedule's decode_prefill_budget: auto or tokens")
     parser.add_argument("--min-chunk", type=int, default=MIN_PREFILL_CHUNK,
                         help="the paced schedule's min_prefill_chunk")
+    parser.add_argument("--schedules", default="old,paced,thread",
+                        help="which to run, in order (the first is the baseline): old (one "
+                        "chunk a step), paced (the budget, pieces between decode steps), "
+                        "thread (the budget, pieces on the prompt thread)")
     parser.add_argument("--idle", action="store_true",
                         help="also time a batch-1 prefill of the long prompt alone")
     args = parser.parse_args()
@@ -221,9 +228,12 @@ def main() -> None:
           f"replies decoding, a {args.long_tokens:,}-token prompt, then a "
           f"{args.short_tokens}-token one; chunks of {args.prefill_step_size}", flush=True)
     results = []
-    for name, value in (("old", None), (f"paced ({args.budget})", budget)):
+    schedules = {"old": ("old", None, False), "paced": (f"paced ({args.budget})", budget, False),
+                 "thread": (f"thread ({args.budget})", budget, True)}
+    for key in args.schedules.split(","):
+        name, value, thread = schedules[key]
         tic = time.perf_counter()
-        results.append(run(model, name, value, args))
+        results.append(run(model, name, value, args, thread))
         print(f"  {name}: {time.perf_counter() - tic:.0f} s", flush=True)
     idle = idle_prefill(model, args) if args.idle else None
     report(results, idle)

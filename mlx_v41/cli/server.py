@@ -116,6 +116,10 @@ def setup_arg_parser() -> ArgumentParser:
         help="prompt tokens a step reads while replies decode: auto (about one decode step's "
              "time, so a long prompt keeps the replies' token gaps bounded), a number, or off "
              "(one --prefill-step-size chunk a step, the CED halo in one piece) (default auto)")
+    add("--prefill-thread", action="store_true",
+        help="read prompts on a thread of their own while replies decode, so a decode step "
+             "never waits for prompt work (the same tokens; one process with resident experts; "
+             "docs/batching.md)")
     add("--kv-budget", type=parse_size, default=None,
         help="bytes the running sequences' caches may take together, each counted at its "
              "prompt + max_tokens; a request waits until it fits (default: 90%% of the "
@@ -180,7 +184,8 @@ def build_app(args, keys=(), loader=None):
         kind = BatchEngine
         batching = {"decode_concurrency": args.decode_concurrency,
                     "prompt_concurrency": args.prompt_concurrency, "kv_budget": args.kv_budget,
-                    "decode_prefill_budget": args.decode_prefill_budget}
+                    "decode_prefill_budget": args.decode_prefill_budget,
+                    "prefill_thread": args.prefill_thread}
     store = PromptCacheStore(model, args.prompt_cache_bytes, args.prompt_cache_dir, group)
     engine = kind(model, tokenizer, store, group=group,
                   prefill_step_size=args.prefill_step_size,
@@ -207,6 +212,9 @@ def main(argv: Optional[list] = None) -> int:
         keys = read_keys(args.api_key, args.api_key_file)
     except ValueError as e:
         parser.error(str(e))
+    if args.prefill_thread and (args.serial or args.pipeline or args.tensor_parallel):
+        parser.error("--prefill-thread needs the batch engine in one process: not with --serial, "
+                     "--pipeline or --tensor-parallel")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     from ..checkpoint.source import resolve_model_path
     from ..distributed.link import DistributedError

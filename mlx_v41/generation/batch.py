@@ -9,7 +9,9 @@ once per step, `remove` a finished or cancelled sequence. A step
    within the step's prompt budget (Sarathi-Serve's stall-free batching): while any sequence
    decodes, about one decode step's worth of prompt work (`PrefillPacer`), so a long prompt
    never stalls the replies already streaming and a short prompt behind it starts at once;
-   with nothing decoding, `prefill_budget` in `prefill_step_size` chunks;
+   with nothing decoding, `prefill_budget` in `prefill_step_size` chunks. With
+   `prefill_thread=True` the pieces run on a thread of their own (`prompt_thread.py`) while
+   the step decodes, and the decode step never waits for them;
 2. feeds every decoding sequence's last token in one batched forward
    (`model.batch.batch_forward`: one call, each row against its own cache), emits those
    tokens, and samples each sequence's next token with its own sampler, logits processors
@@ -45,6 +47,7 @@ from ..model.expert_reader import ExpertReadError
 from .api import DEFAULT_PREFILL_STEP_SIZE, check_context
 from .pacing import MIN_PREFILL_CHUNK, PrefillPacer
 from .prompt_schedule import PromptSchedule
+from .prompt_thread import PromptThread, check_prefill_thread
 from .sequence import BatchSequence, BatchStats, RandomKey, Response, random_stream
 from .speculative import Speculation, check_draft_settings, model_drafter, verify_blocks
 
@@ -78,6 +81,11 @@ class BatchGenerator(PromptSchedule):
         pipelined: start each step's next tokens before reading back the tokens it feeds
             (default); False evaluates each step before it returns (the old step, the same
             tokens).
+        prefill_thread: read prompts on a thread of their own (with its own MLX stream) while
+            the batch decodes, the same pieces and bits (`prompt_thread.PromptThread`); needs
+            the paced schedule (`decode_prefill_budget` not None). `close()` when done.
+            Not for a model split over ranks (each rank must run the same steps in order) or
+            one whose experts stream from SSD (one expert cache).
     """
 
     def __init__(self, model, *, max_tokens: int = 128,
@@ -89,7 +97,8 @@ class BatchGenerator(PromptSchedule):
                  decode_prefill_budget="auto", min_prefill_chunk: int = MIN_PREFILL_CHUNK,
                  on_prefilled: Optional[Callable[[int, list], None]] = None,
                  draft: Optional[str] = None, num_draft_tokens: int = 5,
-                 draft_confidence: Optional[float] = None, pipelined: bool = True):
+                 draft_confidence: Optional[float] = None, pipelined: bool = True,
+                 prefill_thread: bool = False):
         for name, value in (("completion_batch_size", completion_batch_size),
                             ("prefill_batch_size", prefill_batch_size),
                             ("min_prefill_chunk", min_prefill_chunk)):
@@ -99,6 +108,8 @@ class BatchGenerator(PromptSchedule):
                 isinstance(decode_prefill_budget, int) and decode_prefill_budget > 0)):
             raise ValueError(f"decode_prefill_budget must be 'auto', a positive int or None, "
                              f"got {decode_prefill_budget!r}")
+        if prefill_thread:
+            check_prefill_thread(model, decode_prefill_budget)
         from mlx_lm.sample_utils import greedy_sampler
 
         if draft not in (None, "dspark"):
@@ -127,6 +138,7 @@ class BatchGenerator(PromptSchedule):
         self.decoding: list = []
         self._uid = 0
         self.counters = BatchStats()
+        self.prompt_thread = PromptThread(model.kernels) if prefill_thread else None
 
     # ------------------------------------------------------------------ the API
 
@@ -215,6 +227,7 @@ class BatchGenerator(PromptSchedule):
         """Drop sequences wherever they are (a prompt being prefilled is abandoned and its
         cache left as it was before); {uid: cache} with `return_prompt_caches`."""
         uids, out = set(uids), {}
+        self._wait_for_prompts()  # no piece of a prompt being dropped is running
         for seq in [*self.waiting, *self.prefilling]:  # forks not branched yet
             seq.forks = [f for f in seq.forks if f.uid not in uids]
         for group in (self.waiting, self.prefilling, self.decoding):
@@ -226,6 +239,12 @@ class BatchGenerator(PromptSchedule):
                 if return_prompt_caches:
                     out[seq.uid] = seq.cache
         return out
+
+    def close(self) -> None:
+        """Wait for the prompt job in flight (`prefill_thread`) and hand the prompt thread no
+        more; the generator is not used after this."""
+        if self.prompt_thread is not None:
+            self.prompt_thread.close()
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.decoding)

@@ -7,19 +7,35 @@ goes first, so a long prompt never stalls the replies already streaming and a sh
 behind it starts at once; with nothing decoding, `prefill_budget` in `prefill_step_size`
 chunks. `decode_prefill_budget=None` keeps the old schedule: `prefill_budget` a step in
 chunks taken in turn, the CED halo in one piece.
+
+With a `prompt_thread` (`prompt_thread.PromptThread`) the pieces run on a thread of their own
+while the batch decodes: a step hands the thread one job (pieces of one step's budget each, for
+`JOB_STEPS` budgets) when it is free and takes its result once it is done, so a decode step
+never waits for prompt work; with nothing decoding the step waits for its prompts. The pieces,
+and so the bits, are the same.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import time
+from functools import partial
+
+import mlx.core as mx
 
 from ..model.prefill import prefill_pieces
+
+JOB_STEPS = 3  # a prompt-thread job while sequences decode: this many step budgets of pieces
 
 
 class PromptSchedule:
     """`BatchGenerator`'s prompt steps (a base class: it uses the generator's `waiting`,
-    `prefilling` and `decoding` queues, `pacer`, `counters`, `_fail` and `_start_decoding`)."""
+    `prefilling` and `decoding` queues, `pacer`, `counters`, `prompt_thread`, `_fail` and
+    `_start_decoding`)."""
+
+    _collected = None  # a prompt job's result taken early (`_wait_for_prompts`), not yet landed
+    _arrivals = None  # prompts admitted while the job in flight runs: it takes them too
 
     def _admit(self) -> list:
         """Start prefilling waiting prompts while there is room; a prompt the model refuses
@@ -28,10 +44,15 @@ class PromptSchedule:
         while self.waiting and len(self.prefilling) < self.prefill_batch_size and \
                 len(self.prefilling) + len(self.decoding) < self.completion_batch_size:
             seq = self.waiting.popleft()
+            if self.prompt_thread is not None:  # the thread starts its pieces (`_job`)
+                mx.eval([c.state for c in seq.cache],  # what the thread reads, computed here
+                        [] if seq.images is None else [seq.images.rows])
+                self.prefilling.append(seq)
+                if self.prompt_thread.busy:
+                    self._arrivals.put(seq)
+                continue
             try:
-                seq.steps = prefill_pieces(self.model, seq.prompt, seq.cache,
-                                           step_size=self.prefill_step_size, images=seq.images,
-                                           progress=seq.progress)
+                seq.steps = self._pieces(seq)
             except Exception as e:
                 responses += self._fail(seq, e)
                 continue
@@ -41,6 +62,9 @@ class PromptSchedule:
     def _prefill(self) -> list:
         """Pieces of the prefilling prompts within the step's budget (`_budget`)."""
         responses, tic, reading = [], time.perf_counter(), bool(self.prefilling)
+        if self.prompt_thread is not None:
+            self._threaded(responses)
+            return responses
         if self.pacer is None:
             self._round_robin(responses)
         else:
@@ -73,8 +97,11 @@ class PromptSchedule:
     def _fits(self, seq, room: float) -> bool:
         """Whether the prompt's next piece is worth starting in `room`: a halo piece whole, a
         chunk of `min_prefill_chunk` rows (or what the prompt has left)."""
-        pace = seq.steps.pace
-        least = pace.next if pace.in_halo else min(pace.next, self.pacer.min_chunk)
+        pace = None if seq.steps is None else seq.steps.pace
+        if pace is None:  # not started (the prompt thread starts it)
+            least = min(len(seq.prompt), self.pacer.min_chunk)
+        else:
+            least = pace.next if pace.in_halo else min(pace.next, self.pacer.min_chunk)
         return room > 0 and least <= room
 
     def _round_robin(self, responses: list) -> float:
@@ -105,6 +132,91 @@ class PromptSchedule:
         self.counters.prompt_tokens += max(seq.prefilled - before, 0)
         return pace.done
 
+    def _threaded(self, responses: list) -> None:
+        """Prompts on the prompt thread: land the job in flight once it is done (waiting for
+        it when nothing decodes), then hand the thread the next one; with nothing decoding,
+        wait for it too (a prompt that is in starts decoding in this step). While sequences
+        decode a job is `JOB_STEPS` step budgets in pieces of one, so the thread keeps busy
+        across steps; prompts admitted meanwhile join the job in flight (`_arrivals`)."""
+        thread = self.prompt_thread
+        self._land(thread.collect(wait=not self.decoding), responses)
+        if thread.busy or not self.prefilling:
+            return
+        piece = self._budget()
+        budget = piece * JOB_STEPS if self.decoding else piece
+        self._arrivals = queue.SimpleQueue()
+        thread.submit(partial(self._job, list(self.prefilling), self._arrivals, budget, piece))
+        if not self.decoding:
+            self._land(thread.collect(wait=True), responses)
+
+    def _job(self, order: list, arrivals, budget: float, piece: float) -> tuple:
+        """On the prompt thread: pieces of at most `piece` until `budget`, the prompt with the
+        least work left first (prompts arriving on `arrivals` included); a prompt's pieces
+        start here (`prefill_pieces`, so every array it makes is this thread's), and one that
+        is in is evaluated (logits, taps, cache) for the main thread and ends the job.
+        ([(sequence, prefilled before, output or None, error or None)] per piece, the work
+        done)."""
+        ran, spent, ended = [], 0.0, set()
+        while True:
+            while not arrivals.empty():
+                order.append(arrivals.get())
+            live = [s for s in order if id(s) not in ended]
+            if not live:
+                break
+            seq = min(live, key=_work_left)
+            if spent and not self._fits(seq, budget - spent):
+                break
+            before, output, error = seq.prefilled, None, None
+            try:
+                if seq.steps is None:
+                    seq.steps = self._pieces(seq)
+                pace = seq.steps.pace
+                output = seq.steps.run(min(budget - spent, piece))
+                spent += pace.done
+                if output is not None:
+                    mx.eval(output.logits, list(output.taps.values()),
+                            [c.state for c in seq.cache])
+            except Exception as e:
+                error = e
+            ran.append((seq, before, output, error))
+            if output is not None:  # its first token waits for the job's end: end it now
+                break
+            if error is not None:
+                ended.add(id(seq))
+        return ran, spent
+
+    def _land(self, collected, responses: list) -> None:
+        """Take a prompt job's result on the main thread: count its work, start the prompts
+        that are in, fail those that failed (a sequence removed meanwhile is left out)."""
+        early, self._collected = self._collected, None
+        for done in (early, collected):
+            if done is None:
+                continue
+            (ran, work), seconds = done
+            self.pacer.prefilled(work, seconds)
+            self.counters.prompt_time += seconds
+            for seq, before, output, error in ran:
+                self.counters.prompt_tokens += max(seq.prefilled - before, 0)
+                if seq not in self.prefilling:
+                    continue
+                if error is not None:
+                    seq.steps = None
+                    responses += self._fail(seq, error)
+                elif output is not None:
+                    seq.steps = None
+                    self.prefilling.remove(seq)
+                    self._start_decoding(seq, output.logits)
+
+    def _wait_for_prompts(self) -> None:
+        """Let the prompt job in flight end (its result lands at the next step), so that no
+        prompt is being read while the caller changes the queues."""
+        if self.prompt_thread is not None and self.prompt_thread.busy:
+            self._collected = self.prompt_thread.collect(wait=True)
+
+    def _pieces(self, seq):
+        return prefill_pieces(self.model, seq.prompt, seq.cache, step_size=self.prefill_step_size,
+                              images=seq.images, progress=seq.progress)
+
     def _run_piece(self, seq, allowance: float):
         """`Pieces.run`; interrupted (Ctrl-C), the prompt's cache is back as before the
         prompt, so it waits at the front of the queue to be read again from its start."""
@@ -117,3 +229,8 @@ class PromptSchedule:
             self.prefilling.remove(seq)
             self.waiting.appendleft(seq)
             raise
+
+
+def _work_left(seq) -> float:
+    """A prefilling prompt's work left (prompt tokens; one not started: its length)."""
+    return len(seq.prompt) if seq.steps is None else seq.steps.pace.left

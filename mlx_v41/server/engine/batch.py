@@ -81,6 +81,8 @@ class BatchEngine(Engine):
             None: `default_kv_budget`.
         decode_prefill_budget: prompt work a step does while sequences decode
             (`BatchGenerator`'s: "auto", tokens, or None for one chunk a step).
+        prefill_thread: read prompts on a thread of their own while the batch decodes
+            (`BatchGenerator`'s).
         max_concurrent: requests queued or running at most (more get EngineBusy: HTTP 429).
         Others as `Engine`'s.
     """
@@ -88,7 +90,8 @@ class BatchEngine(Engine):
     def __init__(self, model, tokenizer, store, *,
                  decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
                  prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
-                 kv_budget: Optional[int] = None, decode_prefill_budget="auto", **options):
+                 kv_budget: Optional[int] = None, decode_prefill_budget="auto",
+                 prefill_thread: bool = False, **options):
         super().__init__(model, tokenizer, store, **options)
         self.kv_budget = default_kv_budget(model, store.max_bytes) if kv_budget is None \
             else kv_budget
@@ -97,7 +100,7 @@ class BatchEngine(Engine):
             completion_batch_size=decode_concurrency, prefill_batch_size=prompt_concurrency,
             prefill_step_size=self.prefill_step_size or DEFAULT_PREFILL_STEP_SIZE,
             decode_prefill_budget=decode_prefill_budget, on_prefilled=self._prefilled,
-            **self.draft)  # DSpark: every request drafts
+            prefill_thread=prefill_thread, **self.draft)  # DSpark: every request drafts
         self.counters = self.generator.counters  # the drafts, for the metrics
         self.waiting: deque = deque()  # submitted, not yet in the batch (by arrival)
         self.running: dict = {}  # uid -> _Running
@@ -155,6 +158,7 @@ class BatchEngine(Engine):
                         self._fail_running(e)
                 if not self.running and not self.waiting:
                     self._flush()  # new prompt caches go to disk while the batch is idle
+        self.generator.close()  # the prompt thread, if any
         self._end_worker()
 
     def _take(self, block: bool) -> bool:

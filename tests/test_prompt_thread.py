@@ -1,0 +1,206 @@
+"""The prompt thread (`BatchGenerator(prefill_thread=True)`, `mlx_v41.server --prefill-thread`):
+prompts are read on a thread of their own while the batch decodes. Every sequence still gets
+its batch-1 bits, the pieces run beside the decode forwards (not between them), a prompt
+removed while its piece runs leaves its cache as it was, a prompt that fails there fails
+alone, and the server serves with it and ends it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+import mlx_v41.generation.batch as batch_module
+import mlx_v41.generation.speculative as speculative
+from conftest import packed_state
+from mlx_v41.generation.batch import BatchGenerator
+from mlx_v41.generation.prompt_thread import PromptThread, check_prefill_thread
+from mlx_v41.generation.sequence import BatchSequence
+from mlx_v41.model.prefill import Pieces
+import test_batch_schedule as schedule
+from test_batch_schedule import STEP, alone, prompts
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+THREAD = "mlx_v41-prompts"
+loaded = schedule.loaded  # the fixture: the tiny golden on the reference ops, its drafter too
+
+
+@pytest.fixture
+def spans(monkeypatch) -> dict:
+    """(thread name, start, end) of every prompt piece and every batched forward; each chunk
+    of a prompt sleeps 30 ms inside its piece (the GIL released), a piece's arithmetic in
+    miniature."""
+    log = {"pieces": [], "forwards": []}
+    run, forward, progress = Pieces.run, batch_module.batch_forward, BatchSequence.progress
+
+    def timed(kind, call, *args):
+        tic = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            log[kind].append((threading.current_thread().name, tic, time.perf_counter()))
+
+    def slow_progress(self, done, total):
+        time.sleep(0.03)
+        progress(self, done, total)
+
+    monkeypatch.setattr(BatchSequence, "progress", slow_progress)
+    monkeypatch.setattr(Pieces, "run", lambda self, allowance: timed("pieces", run, self,
+                                                                      allowance))
+    for module in (batch_module, speculative):  # the decode step's and the DSpark verify's
+        monkeypatch.setattr(module, "batch_forward",
+                            lambda *args: timed("forwards", forward, *args))
+    return log
+
+
+def run_all(generator, out: dict, until=None) -> None:
+    for _ in range(2000):
+        if not len(generator) or (until is not None and until()):
+            return
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r)
+    raise AssertionError("did not finish within the step limit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", [None, "dspark"])
+def test_prompts_read_beside_the_decoding_get_batch_one_tokens(loaded, spans, draft):
+    """Two replies decode while a 120-token prompt and then a 9-token one arrive: the pieces
+    run on the prompt thread, at least one of them while a decode forward runs on the main
+    thread, and every sequence (the long prompt's first logprobs included) gets its batch-1
+    tokens; `close()` ends the thread."""
+    model, tokenizer = loaded
+    short, (long_,), (late,) = prompts([5, 23]), prompts([120], 1), prompts([9], 2)
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=14, prefill_step_size=STEP,
+                               decode_prefill_budget=16, min_prefill_chunk=4,
+                               prefill_thread=True, draft=draft)
+    out = {}
+    try:
+        uids = generator.insert(short)
+        run_all(generator, out, until=lambda: len(generator.decoding) == 2)
+        long_uid = generator.insert([long_])[0]
+        run_all(generator, out, until=lambda: any(s.prefilled for s in generator.prefilling))
+        late_uid = generator.insert([late], max_tokens=5)[0]
+        run_all(generator, out)
+    finally:
+        generator.close()
+    assert generator.prompt_thread.closed
+    assert {name for name, *_ in spans["pieces"]} == {THREAD}
+    assert {name for name, *_ in spans["forwards"]} == {"MainThread"}
+    beside = [p for p in spans["pieces"] for f in spans["forwards"]
+              if p[1] < f[2] and f[1] < p[2]]
+    assert beside, "no prompt piece ran while a decode forward did"
+    logits = model.prefill(mx.array([long_]), model.make_cache(), step_size=STEP)
+    first = out[long_uid][0]
+    if draft is None:
+        assert mx.array_equal(first.logprobs, logits[0, -1] - mx.logsumexp(logits[0, -1]))
+    assert first.token == mx.argmax(logits[0, -1]).item()
+    for uid, text, n in zip([*uids, long_uid, late_uid], [*short, long_, late],
+                            [14, 14, 14, 5]):
+        expected = alone(model, tokenizer, text, n)
+        assert [r.token for r in out[uid]][:len(expected)] == expected, uid
+
+
+def test_removing_a_prompt_while_its_piece_runs(loaded, spans):
+    """`remove` of a prompt the thread is reading (a prefix cache under it) waits for the
+    piece, then returns the cache exactly as it was; the reply decoding beside it keeps its
+    batch-1 tokens and nothing more is emitted for the removed one."""
+    model, tokenizer = loaded
+    (prefix, long_, reply) = prompts([20, 150, 6], seed=3)
+    cache = model.make_cache()
+    model.prefill(mx.array([prefix]), cache, step_size=STEP)
+    mx.eval([c.state for c in cache])
+    before = [mx.array(a) for a in packed_state(cache)]
+    offsets = [c.offset for c in cache]
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=10, prefill_step_size=STEP,
+                               decode_prefill_budget=16, min_prefill_chunk=4,
+                               prefill_thread=True)
+    out = {}
+    try:
+        reply_uid = generator.insert([reply])[0]
+        run_all(generator, out, until=lambda: bool(generator.decoding))
+        long_uid = generator.insert([long_], caches=[cache])[0]
+        run_all(generator, out, until=lambda: generator.prompt_thread.busy and
+                any(s.prefilled for s in generator.prefilling))
+        returned = generator.remove([long_uid], return_prompt_caches=True)
+        run_all(generator, out)
+    finally:
+        generator.close()
+    assert returned[long_uid] is cache
+    assert [c.offset for c in cache] == offsets
+    for x, y in zip(packed_state(cache), before, strict=True):
+        assert mx.array_equal(x, y)
+    assert long_uid not in out
+    assert [r.token for r in out[reply_uid]] == alone(model, tokenizer, reply, 10)
+
+
+def test_a_prompt_that_fails_on_the_thread_fails_alone(loaded):
+    """A prompt the model refuses (a token id past the vocabulary) fails with an "error"
+    response naming it; the reply decoding beside it is untouched."""
+    model, tokenizer = loaded
+    reply, = prompts([6], seed=4)
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=6, prefill_step_size=STEP,
+                               prefill_thread=True)
+    out = {}
+    try:
+        reply_uid = generator.insert([reply])[0]
+        run_all(generator, out, until=lambda: bool(generator.decoding))
+        bad_uid = generator.insert([[5, model.cfg.vocab_size + 3, 7]])[0]
+        run_all(generator, out)
+    finally:
+        generator.close()
+    failed, = out[bad_uid]
+    assert failed.finish_reason == "error" and "token ids must lie in" in str(failed.error)
+    assert [r.token for r in out[reply_uid]] == alone(model, tokenizer, reply, 6)
+
+
+def test_settings_are_checked(loaded):
+    model, _ = loaded
+    with pytest.raises(ValueError, match="paced schedule"):
+        BatchGenerator(model, decode_prefill_budget=None, prefill_thread=True)
+    with pytest.raises(ValueError, match="one process"):
+        check_prefill_thread(SimpleNamespace(group=object(), expert_store=None), "auto")
+    with pytest.raises(ValueError, match="resident experts"):
+        check_prefill_thread(SimpleNamespace(group=None, expert_store=object()), "auto")
+    thread = PromptThread()
+    thread.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a job's own exception reaches the caller
+        thread.collect(wait=True)
+    thread.close()
+    with pytest.raises(RuntimeError, match="closed"):  # the generator's prompts are over
+        thread.submit(lambda: None)
+
+
+@pytest.mark.slow
+def test_the_server_reads_prompts_on_the_thread(monkeypatch):
+    """`--prefill-thread`'s engine: concurrent chat requests, one with a long prompt, get
+    their batch-1 replies, a client that leaves mid-prompt frees the batch, and closing the
+    server ends the prompt thread."""
+    from server_harness import LiveServer, tiny
+    from test_server_batch import chat, expected, words
+
+    model, tokenizer = tiny()
+    live = LiveServer(model, tokenizer, max_concurrent=8,
+                      batching={"prefill_step_size": STEP, "prefill_thread": True})
+    try:
+        texts = [words(k, n) for k, n in enumerate([3, 400, 20])]
+        results, threads = {}, []
+        for k, text in enumerate(texts):
+            threads.append(threading.Thread(target=chat, args=(live, text, 8, results, k)))
+            threads[-1].start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        for k, text in enumerate(texts):
+            assert results[k] == expected(model, tokenizer, text, 8), k
+        prompt_thread = live.engine.generator.prompt_thread
+        prompt_thread = live.engine.generator.prompt_thread
+        assert prompt_thread is not None
+    finally:
+        live.close()
+    live.engine.close()
+    assert prompt_thread.closed

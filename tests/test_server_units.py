@@ -433,3 +433,17 @@ def test_a_job_ended_by_the_server_keeps_its_first_reason():
     finally:
         loop.close()
     assert isinstance(item, EngineClosed) and "was not started" in str(item)
+
+
+def test_top_p_zero_is_greedy_whatever_the_temperature():
+    """Every API's route resolves its sampling through `ServerConfig.settings`: a top_p of 0
+    (the request's, or the server's when the request leaves it out) keeps the most likely
+    token alone, so the temperature becomes 0; any other top_p keeps it."""
+    from mlx_v41.server import ServerConfig
+
+    config = ServerConfig(model_id="tiny", temp=0.7, top_p=1.0)
+    assert config.settings(temp=1.5, top_p=0).temp == 0.0
+    assert config.settings(top_p=0.0).temp == 0.0
+    assert config.settings(temp=1.5, top_p=0.5).temp == 1.5
+    assert config.settings().temp == 0.7
+    assert ServerConfig(model_id="tiny", temp=0.7, top_p=0).settings(temp=1.2).temp == 0.0

@@ -59,12 +59,14 @@ class ServerConfig:
     def settings(self, *, max_tokens: Optional[int] = None, temp: Optional[float] = None,
                  top_p: Optional[float] = None, min_p: Optional[float] = None,
                  top_k: Optional[int] = None, **fields) -> Settings:
-        """A request's `Settings`: each value it leaves out (None) is this server's."""
+        """A request's `Settings`: each value it leaves out (None) is this server's. A top_p
+        of 0 keeps the most likely token alone: greedy decoding, whatever the temperature."""
         def pick(value, default):
             return default if value is None else value
-        return Settings(max_tokens=pick(max_tokens, self.max_tokens), temp=pick(temp, self.temp),
-                        top_p=pick(top_p, self.top_p), min_p=pick(min_p, self.min_p),
-                        top_k=pick(top_k, self.top_k), **fields)
+        top_p = pick(top_p, self.top_p)
+        return Settings(max_tokens=pick(max_tokens, self.max_tokens),
+                        temp=0.0 if top_p == 0 else pick(temp, self.temp), top_p=top_p,
+                        min_p=pick(min_p, self.min_p), top_k=pick(top_k, self.top_k), **fields)
 
     def check_model(self, name: Optional[str]) -> None:
         if name not in (None, self.model_id, Path(self.model_id).name, DEFAULT_MODEL_ALIAS):
@@ -90,11 +92,12 @@ def expanded_prompt(app: FastAPI, ids: list, images: list, param: str) -> ImageP
 
 
 def chat_prompt(app: FastAPI, messages: list, tools: list, *, thinking: bool, effort,
-                param: str, hint: str = "") -> ImagePrompt:
+                param: str, hint: str = "", continue_final: bool = True) -> ImagePrompt:
     """`messages` (`chat.format` dicts) rendered with V4.1's chat format, `tools` (function
-    specs) in the system message and a last assistant message continued, with its images'
-    spans expanded; a RequestError naming `param` (`hint` ends the one for a tokenizer
-    without the chat format's tokens)."""
+    specs) in the system message and, with `continue_final`, a last assistant message
+    continued (Anthropic's and Ollama's prefill; OpenAI's APIs start a new reply after it),
+    with its images' spans expanded; a RequestError naming `param` (`hint` ends the one for a
+    tokenizer without the chat format's tokens)."""
     tokenizer = app.state.engine.tokenizer
     if tokenizer.missing_chat_tokens:
         raise RequestError(f"the tokenizer has no single token for "
@@ -103,7 +106,7 @@ def chat_prompt(app: FastAPI, messages: list, tools: list, *, thinking: bool, ef
         ids = tokenizer.apply_chat_template(
             messages, tools=[{"type": "function", "function": t} for t in tools] or None,
             enable_thinking=thinking, reasoning_effort=effort,
-            continue_final_message=messages[-1]["role"] == "assistant")
+            continue_final_message=continue_final and messages[-1]["role"] == "assistant")
     except ValueError as e:
         raise RequestError(str(e), param=param) from None
     return expanded_prompt(app, ids, cf.collect_images(messages), param)

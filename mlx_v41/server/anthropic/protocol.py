@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from ..bodies import (ANTHROPIC_TOOL_NAME, ContentPart, Seed, StrictBody, check_tool_names, parse,
                       whole_number)
@@ -139,13 +139,6 @@ class MessagesRequest(CountTokensRequest):
     stream: Optional[bool] = False
     metadata: Optional[Metadata] = None
     seed: Optional[Seed] = None
-
-    @model_validator(mode="after")
-    def _smallest_nucleus(self):
-        """top_p 0 keeps the most likely token alone: greedy decoding."""
-        if self.top_p == 0:
-            self.temperature = 0.0
-        return self
 
     @property
     def user(self) -> Optional[str]:

@@ -177,7 +177,7 @@ def sampling(options: Optional[Options]) -> dict:
     """`ServerConfig.settings` keywords from `options` (None: the server's value)."""
     o = options or Options()
     return {"max_tokens": o.num_predict if o.num_predict and o.num_predict > 0 else None,
-            "temp": 0.0 if o.top_p == 0 else o.temperature, "top_p": o.top_p,
+            "temp": o.temperature, "top_p": o.top_p,
             "top_k": None if o.top_k is None else max(o.top_k, 0), "min_p": o.min_p,
             "seed": None if o.seed is None or o.seed < 0 else o.seed,
             "stops": [o.stop] if isinstance(o.stop, str) else list(o.stop or ())}

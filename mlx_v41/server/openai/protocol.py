@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..bodies import (ContentPart, Int, ObjectSchema, Seed, StrictBody, check_tool_names, parse,
                       whole_number)
@@ -78,13 +78,6 @@ class _Generation(StrictBody):
     n: Optional[whole_number(ge=1)] = 1
     echo: Optional[bool] = False
     user: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _smallest_nucleus(self):
-        """top_p 0 keeps the most likely token alone: greedy decoding."""
-        if self.top_p == 0:
-            self.temperature = 0.0
-        return self
 
     def stops(self) -> list:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -12,7 +12,6 @@ from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 
-from ...chat import format as cf
 from ...model.vision.prompt import ImagePrompt
 from ..conversation import thinking_mode, with_response_format
 from ..engine import Token
@@ -21,8 +20,8 @@ from ..errors import ErrorBody, RequestError, error_body
 from ..images import ImageReader
 from ..processors import processor_fields
 from ..reply_parser import Reply, ReplyParser, parse_reply
-from ..serving import (collect, expanded_prompt, failure, read_json, sse_response, submit,
-                       until_done)
+from ..serving import (chat_prompt, collect, expanded_prompt, failure, read_json, sse_response,
+                       submit, until_done)
 from . import bodies as out
 from .messages import allows_tool_calls, chat_messages, request_constraint
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
@@ -72,24 +71,14 @@ def add_routes(app: FastAPI) -> None:
 def _chat_prompt(app: FastAPI, body: ChatCompletionRequest) -> tuple:
     """(`ImagePrompt`, thinking mode, whether tool calls may be generated)."""
     config, engine = app.state.config, app.state.engine
-    tokenizer = engine.tokenizer
     images = ImageReader.for_model(engine.model, config.max_image_bytes, config.max_image_pixels)
     messages = with_response_format(chat_messages(body, config.system_prompt, images),
                                     body.response_format)
     thinking, effort = thinking_mode(body, config.thinking, config.reasoning_effort)
     allow_calls = allows_tool_calls(body)
-    if tokenizer.missing_chat_tokens:
-        raise RequestError(f"the tokenizer has no single token for "
-                           f"{tokenizer.missing_chat_tokens[0]}: use /v1/completions",
-                           param="messages")
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    try:
-        prompt = tokenizer.apply_chat_template(messages, tools=tools or None,
-                                               enable_thinking=thinking,
-                                               reasoning_effort=effort)
-    except ValueError as e:
-        raise RequestError(str(e), param="messages") from None
-    prompt = expanded_prompt(app, prompt, cf.collect_images(messages), "messages")
+    specs = [tool.model_dump(exclude_none=True)["function"] for tool in body.tools or ()]
+    prompt = chat_prompt(app, messages, specs, thinking=thinking, effort=effort,
+                         param="messages", hint=": use /v1/completions", continue_final=False)
     return prompt, thinking, allow_calls
 
 

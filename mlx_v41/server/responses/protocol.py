@@ -10,7 +10,7 @@ import json
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, Field, WithJsonSchema
 
 from ..bodies import (ContentPart, Int, ObjectSchema, Seed, StrictBody, check_text,
                       check_tool_names, parse, schema_of, whole_number)
@@ -120,13 +120,6 @@ class ResponsesRequest(StrictBody):
     background: Optional[bool] = None
     conversation: Any = None
     prompt: Any = None
-
-    @model_validator(mode="after")
-    def _smallest_nucleus(self):
-        """top_p 0 keeps the most likely token alone: greedy decoding."""
-        if self.top_p == 0:
-            self.temperature = 0.0
-        return self
 
 
 def parse_request(body) -> ResponsesRequest:

@@ -12,7 +12,6 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ...chat import format as cf
 from ..bodies import ERROR_STATUSES, documented, json_body
 from ..constraints import constraint_fields
 from ..conversation import with_response_format
@@ -26,7 +25,7 @@ from .protocol import (Conversation, DeletedResponse, Response, ResponseEvent, R
                        answer_format, check_supported, function_tools, input_items,
                        parse_request, reasoning_mode, tool_choice, tool_spec)
 from .store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse
-from ..serving import (expanded_prompt, failure, new_id, read_json, sse_response, submit,
+from ..serving import (chat_prompt, failure, new_id, read_json, sse_response, submit,
                        until_done)
 
 log = logging.getLogger("mlx_v41.server")
@@ -140,19 +139,8 @@ class _Turn:
         return with_response_format(messages, text_format)
 
     def _render(self, app: FastAPI, messages: list, specs: list, effort):
-        tokenizer = app.state.engine.tokenizer
-        if tokenizer.missing_chat_tokens:
-            raise RequestError(f"the tokenizer has no single token for "
-                               f"{tokenizer.missing_chat_tokens[0]}: use /v1/completions",
-                               param="input")
-        tools = [{"type": "function", "function": spec} for spec in specs]
-        try:
-            ids = tokenizer.apply_chat_template(messages, tools=tools or None,
-                                                enable_thinking=self.thinking,
-                                                reasoning_effort=effort)
-        except ValueError as e:
-            raise RequestError(str(e), param="input") from None
-        return expanded_prompt(app, ids, cf.collect_images(messages), "input")
+        return chat_prompt(app, messages, specs, thinking=self.thinking, effort=effort,
+                           param="input", hint=": use /v1/completions", continue_final=False)
 
 
 

@@ -120,20 +120,22 @@ def _check_args(parser, args) -> None:
                      f"--sequence-length {args.sequence_length}")
 
 
-def check_side(label: str, path: str, settings: dict) -> None:
-    """A side's folder, config and overrides, checked before any weights load (so a bad one
-    is refused in a second, not after the reference pass)."""
+def check_side(label: str, path: str, settings: dict):
+    """A side's folder (resolved once: a Hub id is looked up here, not again at its load),
+    config and overrides, checked before any weights load (so a bad one is refused in a
+    second, not after the reference pass)."""
     try:
         folder = resolve_model_path(path)
         with_overrides(ModelArgs.from_file(folder / "config.json"), settings["overrides"])
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
+    return folder
 
 
-def _load(label: str, path: str, settings: dict):
+def _load(label: str, path: str, folder, settings: dict):
     print(f"Loading the {label} from {path}...", file=sys.stderr)
     try:
-        model, tokenizer = load(path, dspark=False, vision=False, **settings)
+        model, tokenizer = load(folder, dspark=False, vision=False, **settings)
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
     report_experts(model)
@@ -148,9 +150,11 @@ def _sequences(args, tokenizer, documents: list) -> np.ndarray:
 def run(args) -> int:
     reference_path = args.reference or args.model
     documents = read_documents(args.data_path)
-    check_side("reference", reference_path, side_settings(args, "reference-"))
-    check_side("test model", args.model, side_settings(args))
-    model, tokenizer = _load("reference", reference_path, side_settings(args, "reference-"))
+    reference_folder = check_side("reference", reference_path,
+                                  side_settings(args, "reference-"))
+    folder = check_side("test model", args.model, side_settings(args))
+    model, tokenizer = _load("reference", reference_path, reference_folder,
+                             side_settings(args, "reference-"))
     data = _sequences(args, tokenizer, documents)
     prompts = [row[:args.prompt_length].tolist() for row in data[:args.prompts]]
     print(f"Reference: {data.shape[0]} samples of {data.shape[1]} tokens", file=sys.stderr)
@@ -161,7 +165,7 @@ def run(args) -> int:
     del model, tokenizer
     gc.collect()
     mx.clear_cache()
-    model, tokenizer = _load("test model", args.model, side_settings(args))
+    model, tokenizer = _load("test model", args.model, folder, side_settings(args))
     check_same_tokens(_sequences(args, tokenizer, documents), data)
     result = compare(model, record, batch_size=args.batch_size,
                      step_size=args.prefill_step_size)

@@ -43,6 +43,7 @@ from mlx_v41.model.engram import EngramRows
 GOLDEN = golden_checkpoint("tiny")
 PROMPT = [0, 5, 9, 300, 17, 4, 4, 4, 100, 200, 300, 400, 7, 8, 9, 10]
 MESSAGES = [{"role": "user", "content": "Hello there"}]
+CHAT_VECTORS = Path(__file__).parent / "data" / "chat_vectors.json"  # the official renders
 MAX_TOKENS = 12
 RING = 32  # the tiny config's window ring (2 x sliding_window 16): the exact-trim horizon
 SERVER_START_S = 120
@@ -166,13 +167,19 @@ def test_prompt_cache_store_trims_exactly_or_not_at_all(theirs):
     assert reused is None and rest == long[:RING] + [13]
 
 
-def test_tokenizer_class_renders_the_chat_format(folder, ours):
-    _, tokenizer = ours
+def test_tokenizer_class_renders_the_chat_format(folder):
+    """mlx-lm's wrapper over the folder's tokenizer class renders the official chat vectors'
+    prompts (thinking by default at effort 75, chat, effort max)."""
     wrapped = TokenizerWrapper(V41TokenizerFast.from_pretrained(str(folder)))
     assert wrapped.has_chat_template and wrapped.has_thinking
-    for kwargs in ({}, {"enable_thinking": False}, {"reasoning_effort": "max"}):
-        assert wrapped.apply_chat_template(MESSAGES, add_generation_prompt=True, **kwargs) == \
-            tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, **kwargs)
+    hi = [{"role": "user", "content": "Hi"}]
+    vectors = {(c["thinking_mode"], c["reasoning_effort"]): c["prompt"]
+               for c in json.loads(CHAT_VECTORS.read_text("utf-8"))["cases"]
+               if c["messages"] == hi}
+    for kwargs, key in (({}, ("thinking", None)), ({"enable_thinking": False}, ("chat", None)),
+                        ({"reasoning_effort": "max"}, ("thinking", "max"))):
+        ids = wrapped.apply_chat_template(hi, add_generation_prompt=True, **kwargs)
+        assert wrapped.decode(ids) == vectors[key], kwargs
 
 
 def test_load_options_through_model_config(folder):

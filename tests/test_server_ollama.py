@@ -345,7 +345,7 @@ def test_tags_show_ps_and_version(live, loaded, client):
     ("/api/generate", {"model": MODEL_ID, "prompt": "x", "images": ["AAAA"]}, 400,
      "images.0: not an image"),
     ("/api/generate", {"model": MODEL_ID, "prompt": "x", "images": ["http://a/b.png"]}, 400,
-     "images.0: invalid base64"),
+     "images.0: image URLs are not fetched"),
     ("/api/show", {}, 400, "model: Field required"),
     ("/api/show", {"model": "other"}, 404, "'other' does not exist"),
     ("/api/pull", {"model": MODEL_ID}, 404, "Not Found"),

@@ -92,9 +92,19 @@ def test_arguments_stream_a_parameter_at_a_time():
     text = HANDMADE[1][0]
     parser = ReplyParser(True)
     deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
-    kinds = [(d.kind, d.index) for d in deltas if d.kind in ("call", "arguments")]
-    assert kinds == [("call", 0), ("arguments", 0), ("arguments", 0), ("arguments", 0),
-                     ("call", 1), ("arguments", 1)]
+    kinds = [(d.kind, d.index, d.closes) for d in deltas if d.kind in ("call", "arguments")]
+    assert kinds == [("call", 0, False), ("arguments", 0, False), ("arguments", 0, False),
+                     ("arguments", 0, True), ("call", 1, False), ("arguments", 1, True)]
+
+
+def test_the_arguments_that_close_a_call_say_so():
+    """The last arguments delta of a call is marked `closes`, also where a malformed block
+    closes the open call's JSON (what Ollama's stream waits for to send a call whole)."""
+    text = "Hi\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n<｜DSML｜ param"
+    parser = ReplyParser(False)
+    deltas = parser.feed(text) + parser.finish()
+    arguments = [d for d in deltas if d.kind == "arguments"]
+    assert [(d.text, d.closes) for d in arguments] == [("{}", True)]
 
 
 @pytest.mark.parametrize("text, content", [

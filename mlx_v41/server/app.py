@@ -87,16 +87,24 @@ def create_loading_app(api_keys=(), allowed_origins=()) -> FastAPI:
     return app
 
 
+def _error_response(path: str, status: int, message: str, headers: Optional[dict] = None,
+                    details: Optional[dict] = None, **fields) -> JSONResponse:
+    """An error in the shape of the API that `path` belongs to: Anthropic's (with its
+    `details`) under its Messages API's paths, Ollama's under its API's, else OpenAI's (with
+    `fields`: kind, param, code)."""
+    if path.startswith(anthropic_routes.PATH):
+        body = anthropic_routes.error_body(status, message, details)
+    elif path.startswith(ollama_routes.PATH):
+        body = ollama_routes.error_body(message)
+    else:
+        body = error_body(message, **fields)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _refusal(scope, status: int, message: str, headers: Optional[dict] = None,
              **fields) -> JSONResponse:
     """A middleware's answer (no route ran) in the API's shape, chosen by the path."""
-    if scope["path"].startswith(anthropic_routes.PATH):
-        return JSONResponse(anthropic_routes.error_body(status, message), status_code=status,
-                            headers=headers)
-    if scope["path"].startswith(ollama_routes.PATH):
-        return JSONResponse(ollama_routes.error_body(message), status_code=status,
-                            headers=headers)
-    return JSONResponse(error_body(message, **fields), status_code=status, headers=headers)
+    return _error_response(scope["path"], status, message, headers, **fields)
 
 
 def _add_access(app: FastAPI, phase: Callable[[], str], api_keys,
@@ -110,24 +118,9 @@ def _add_access(app: FastAPI, phase: Callable[[], str], api_keys,
         code="invalid_api_key"), open_paths=open_paths)
 
 
-def _error(status: int, message: str, **fields) -> JSONResponse:
-    return JSONResponse(error_body(message, **fields), status_code=status)
-
-
 def _add_error_handlers(app: FastAPI) -> None:
-    def error(request, status: int, message: str, headers: Optional[dict] = None,
-              details: Optional[dict] = None, **fields) -> JSONResponse:
-        """OpenAI's error shape, or Anthropic's (with its `details`) under its Messages API's
-        paths, or Ollama's under its API's."""
-        if request.url.path.startswith(anthropic_routes.PATH):
-            return JSONResponse(anthropic_routes.error_body(status, message, details),
-                                status_code=status, headers=headers)
-        if request.url.path.startswith(ollama_routes.PATH):
-            return JSONResponse(ollama_routes.error_body(message), status_code=status,
-                                headers=headers)
-        response = _error(status, message, **fields)
-        response.headers.update(headers or {})
-        return response
+    def error(request, status: int, message: str, **fields) -> JSONResponse:
+        return _error_response(request.url.path, status, message, **fields)
 
     @app.exception_handler(RequestError)
     async def request_error(request, e: RequestError):

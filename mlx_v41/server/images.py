@@ -25,6 +25,7 @@ IMAGE_ROLES = ("user", "tool")  # where the chat format renders image blocks
 # Decoders PIL may use: the formats OpenAI accepts and BMP (no plugin that runs a program).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 DEFAULT_MAX_IMAGE_BYTES = 20 * 10**6  # decoded bytes per image (OpenAI's per-image limit)
+BASE64_IMAGE = "data:image/*;base64,"  # a bare base64 image as a data: URI (PIL finds its format)
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # width x height; the plan shrinks every image anyway
 
 
@@ -48,13 +49,28 @@ class ImageReader:
 
     def block(self, part: ContentPart, role: str, where: str) -> dict:
         """The chat format's image block of one part; RequestError naming `where`."""
+        self._check_role(role, where)
+        return self._image_block(_data_uri(part, where), where)
+
+    def base64_block(self, data: str, role: str, where: str) -> dict:
+        """The image block of a bare base64 string (Ollama's `images`; a data: URI too)."""
+        self._check_role(role, where)
+        if data.lower().startswith(("http://", "https://")):
+            raise _error(where, "image URLs are not fetched by this server; send the image's "
+                         "bytes base64-encoded", "unsupported_content")
+        return self._image_block(data if data.startswith("data:") else BASE64_IMAGE + data,
+                                 where)
+
+    def _check_role(self, role: str, where: str) -> None:
         if role not in IMAGE_ROLES:
             raise _error(where, f"image parts are allowed in user and tool messages, not in "
                          f"a {role!r} message", "unsupported_content")
         if self.vision_config is None:
             raise _error(where, f"image input needs the vision tower, but {VISION_MISSING}",
                          "unsupported_content")
-        image = self._decode(_data_uri(part, where), where)
+
+    def _image_block(self, uri: str, where: str) -> dict:
+        image = self._decode(uri, where)
         try:
             plan_image_grid(image.width, image.height, self.vision_config)
         except ImageError as e:

@@ -28,12 +28,14 @@ CONTENT_MARKERS = ("\n\n" + cf.CALLS_OPEN, cf.CALLS_OPEN)
 @dataclass
 class Delta:
     """One piece of a reply. kind: "reasoning" / "content" (text), "call" (a tool call opens:
-    index, name), "arguments" (index, a fragment of its JSON arguments), "cut" (the reply
-    ended inside call `index`, whose arguments never closed: it is not a call)."""
+    index, name), "arguments" (index, a fragment of its JSON arguments; `closes` on the last
+    one, which ends the object), "cut" (the reply ended inside call `index`, whose arguments
+    never closed: it is not a call)."""
 
     kind: str
     text: str = ""
     index: int = 0
+    closes: bool = False
 
 
 @dataclass
@@ -84,12 +86,17 @@ class ReplyParser:
         out, self.out = self.out, []
         return out
 
-    def _emit(self, kind: str, text: str = "", index: int = 0) -> None:
+    def _emit(self, kind: str, text: str = "", index: int = 0, closes: bool = False) -> None:
         if text or kind in ("call", "arguments", "cut"):
             if self.out and kind in ("reasoning", "content") and self.out[-1].kind == kind:
                 self.out[-1].text += text
             else:
-                self.out.append(Delta(kind, text, index))
+                self.out.append(Delta(kind, text, index, closes))
+
+    def _close_call(self) -> None:
+        """The open call's arguments end: the object's last brace (or `{}`)."""
+        self._emit("arguments", "}" if self.call.has_arguments else "{}", self.call.index,
+                   closes=True)
 
     def _run(self, final: bool) -> None:
         steps = {"reasoning": self._reasoning, "content": self._content, "calls": self._calls,
@@ -146,7 +153,7 @@ class ReplyParser:
             return self._parameter(match)
         match = _INVOKE_END.match(self.buffer)
         if match:
-            self._emit("arguments", "}" if self.call.has_arguments else "{}", self.call.index)
+            self._close_call()
             self.buffer, self.phase = self.buffer[match.end():], "calls"
             return True
         return self._maybe_malformed((cf.PARAM_OPEN, cf.INVOKE_CLOSE), final)
@@ -177,7 +184,7 @@ class ReplyParser:
         """Stop parsing: an open call's arguments are closed, and the rest of the text (from
         the block's start when no call opened) is content."""
         if self.phase == "invoke":
-            self._emit("arguments", "}" if self.call.has_arguments else "{}", self.call.index)
+            self._close_call()
         self.buffer, self.block, self.phase = self.block + self.buffer, "", "raw"
         return True
 

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, Field
 
 from ...generation.sequence import MAX_SEED
-from ..bodies import (MIN_SEED, ContentPart, Int, ObjectSchema, StrictBody, check_tool_names,
+from ..bodies import (MIN_SEED, Int, ObjectSchema, StrictBody, check_tool_names,
                       parse, whole_number)
 from ..constraints import JSON_OBJECT
 from ..conversation import OPENAI_EFFORTS
@@ -21,7 +21,6 @@ from ..images import ImageReader
 
 ThinkLevel = Literal["low", "medium", "high", "max"]  # Ollama's levels; medium is V4.1's high
 JSON_FORMAT = "json"  # `format: "json"`: the answer is a JSON object
-IMAGE_URI = "data:image/*;base64,"  # a bare base64 image as a data: URI (PIL finds its format)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -227,13 +226,8 @@ def with_images(text: str, encoded: Optional[list], role: str, where: str,
     """`text`, or with base64 `encoded` images their image blocks and then the text."""
     if not encoded:
         return text
-    blocks = [images.block(ContentPart(type="image_url", image_url=_data_uri(data)), role,
-                           f"{where}.{j}") for j, data in enumerate(encoded)]
+    blocks = [images.base64_block(data, role, f"{where}.{j}") for j, data in enumerate(encoded)]
     return blocks + ([{"type": "text", "text": text}] if text else [])
-
-
-def _data_uri(data: str) -> str:
-    return data if data.startswith("data:") else IMAGE_URI + data
 
 
 # ----------------------------------------------------------------------------- replies

@@ -214,13 +214,11 @@ class Pieces:
             return []
         call = self.calls[d.index]
         call[1] += d.text
-        try:  # the parser writes one object, so it parses once its last brace came
-            arguments = json.loads(call[1])
-        except json.JSONDecodeError:
+        if not d.closes:
             return []
         del self.calls[d.index]
         return [{"tool_calls": [{"id": new_id("call_"), "function": {
-            "index": d.index, "name": call[0], "arguments": arguments}}]}]
+            "index": d.index, "name": call[0], "arguments": json.loads(call[1])}}]}]
 
 
 class _Reply:

@@ -157,7 +157,8 @@ def test_acceptance_stops_and_max_tokens_inside_blocks(loaded, monkeypatch):
     """Oracle drafters right 5, 2, 0, 3 or 4 times per cycle, max_tokens that end inside a
     block, a stop token inside an accepted block: each sequence emits what batch-1 DSpark
     emits with the same drafter (tokens, which of them are drafts, stats), and its cache holds
-    exactly the emitted tokens. Blocks of several lengths are verified in one step."""
+    exactly the emitted tokens. Blocks of several lengths are verified in one forward a step
+    (the shorter ones padded, their padding trimmed)."""
     model, _ = loaded
     texts = prompts([3, 16, 9, 40, 21], seed=1)
     rights, max_tokens = [5, 2, 0, 3, 4], [13, 10, 6, 11, 14]
@@ -168,17 +169,25 @@ def test_acceptance_stops_and_max_tokens_inside_blocks(loaded, monkeypatch):
                                # steps counted on the one-chunk-a-step schedule
                                decode_prefill_budget=None, draft="dspark", num_draft_tokens=5)
     generator.drafter = oracle
-    verified = []  # per verify forward: [sequences, rows]
+    verified, lengths = [], []  # per verify forward [sequences, rows]; per block its length
+    block = speculative.Speculation.block
 
     def counted(model, ids, caches):
         verified.append((generator.counters.generation_tokens, list(ids.shape)))
         return batch_forward(model, ids, caches)
 
+    def measured(self, *args):
+        ids = block(self, *args)
+        lengths.append((generator.counters.generation_tokens, len(ids)))
+        return ids
+
     monkeypatch.setattr(speculative, "batch_forward", counted)
+    monkeypatch.setattr(speculative.Speculation, "block", measured)
     out = run(generator, texts, max_tokens=max_tokens, caches=caches)
-    steps = [[shape for step, shape in verified if step == at] for at, _ in verified]
+    steps = [step for step, _ in verified]
+    assert len(steps) == len(set(steps))  # one verify forward a step
     assert max(shape[0] for _, shape in verified) >= 3  # sequences verified together
-    assert any(len(shapes) > 1 for shapes in steps)  # blocks of two lengths in one step
+    assert any(len({n for at, n in lengths if at == step}) > 1 for step in steps)  # mixed
     assert out[0][0][-1] == stop and len(out[0][0]) <= 9
     for text, right, n, (tokens, flags, stats, cache) in zip(texts, rights, max_tokens, out):
         one_tokens, one_flags, one_stats, _ = speculate(model, text, n, oracle, right, [stop])
@@ -188,6 +197,38 @@ def test_acceptance_stops_and_max_tokens_inside_blocks(loaded, monkeypatch):
         assert stats.accepted == len(tokens) - stats.cycles
         assert holds_exactly(model, cache, text + tokens)
     assert generator.counters.drafts_accepted == sum(o[2].accepted for o in out) > 0
+
+
+@pytest.mark.slow
+def test_a_block_at_the_context_end_is_verified_apart(loaded, monkeypatch):
+    """A sequence whose last block is cut by the context's end cannot be padded (no room):
+    it is verified in a call of its own beside the others', and every sequence still emits
+    its batch-1 tokens and holds exactly them."""
+    model, _ = loaded
+    texts = prompts([3, 40], seed=2)
+    oracle = Oracle(model)
+    rights = [5, 5]
+    caches = [oracle.know(model.make_cache(), text, right) for text, right in zip(texts, rights)]
+    generator = BatchGenerator(model, stop_tokens=(), prefill_step_size=STEP,
+                               decode_prefill_budget=None, draft="dspark", num_draft_tokens=5)
+    generator.drafter = oracle
+    verified = []
+
+    def counted(model, ids, caches):
+        verified.append((generator.counters.generation_tokens, list(ids.shape)))
+        return batch_forward(model, ids, caches)
+
+    with monkeypatch.context() as patch:  # room 9 after the long prompt: 6 + 3 tokens
+        patch.setattr(model.cfg, "max_position_embeddings", 40 + 9)
+        patch.setattr(speculative, "batch_forward", counted)
+        out = run(generator, texts, max_tokens=[24, 12], caches=caches)
+    steps = [step for step, _ in verified]
+    assert any(steps.count(step) == 2 for step in steps)  # the cut block apart once
+    assert len(out[1][0]) == 9  # the context's end
+    for text, right, (tokens, flags, _, cache) in zip(texts, rights, out):  # the limit back
+        one_tokens, one_flags, _, _ = speculate(model, text, len(tokens), oracle, right)
+        assert (tokens, flags) == (one_tokens, one_flags)
+        assert holds_exactly(model, cache, text + tokens)
 
 
 @pytest.mark.slow

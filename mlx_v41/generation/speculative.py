@@ -203,20 +203,32 @@ class Speculation:
 def verify_blocks(model, specs: list, caches: list) -> list:
     """The verify rows [k + 1, V] of many sequences' open cycles (`Speculation.draft` done,
     `caches[b]` the cache of `specs[b]`): their draft passes evaluated together, then one
-    `batch_forward` over every block of the same length (one call for all, unless max_tokens
-    or the context shortens some blocks). On any exception no cache changes."""
+    `batch_forward` over every block. A block shorter than the longest (max_tokens or a
+    confidence cut shortened its drafts) is padded with its last token to the longest length,
+    and the padding's rows are trimmed from its cache after the forward: rows a causal
+    forward computes after a block's own change none of its rows, and the trim is the one a
+    rejected draft gets, so each sequence gets its bits alone. Only a block whose padding
+    would pass the context's end runs apart, in a call per length. On any exception no
+    cache changes."""
     mx.eval([array for spec in specs for array in spec.pending])
     blocks = [spec.block() for spec in specs]
+    longest = max(len(block) for block in blocks)
+    limit = model.cfg.max_position_embeddings
+    fed = [block + [block[-1]] * (longest - len(block))
+           if caches[b][0].offset + longest <= limit else block
+           for b, block in enumerate(blocks)]
     by_length: dict = {}
-    for b, block in enumerate(blocks):
-        by_length.setdefault(len(block), []).append(b)
+    for b, ids in enumerate(fed):
+        by_length.setdefault(len(ids), []).append(b)
     rows = [None] * len(specs)
     with transaction([layer for cache in caches for layer in cache]):
         for members in by_length.values():
-            logits = batch_forward(model, mx.array([blocks[b] for b in members]),
+            logits = batch_forward(model, mx.array([fed[b] for b in members]),
                                    [caches[b] for b in members]).logits
             for i, b in enumerate(members):
-                rows[b] = logits[i]
+                rows[b] = logits[i, :len(blocks[b])]
+                if len(fed[b]) > len(blocks[b]):
+                    trim_cache(caches[b], len(fed[b]) - len(blocks[b]))
     return rows
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from mlx_v41.chat import format as cf
-from mlx_v41.chat.format import (ASSISTANT, EOS, THINK_END, THINK_START, USER, encode_messages,
-                                 parse_completion)
+from mlx_v41.chat.completion import parse_completion
+from mlx_v41.chat.format import ASSISTANT, EOS, THINK_END, THINK_START, USER, encode_messages
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "chat_vectors.json").read_text("utf-8"))
 CASES = {case["name"]: case for case in VECTORS["cases"]}

@@ -18,7 +18,8 @@ from PIL import Image
 
 from mlx_v41.cache import cache_bytes
 from mlx_v41.chat import format as cf
-from mlx_v41.chat.format import encode_messages, parse_completion
+from mlx_v41.chat.completion import parse_completion
+from mlx_v41.chat.format import encode_messages
 from mlx_v41.cli import server as cli
 from mlx_v41.generation.api import prefill
 from mlx_v41.generation.prompt_reuse import PromptCache

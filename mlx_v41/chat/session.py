@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 from . import format as cf
+from .completion import parse_completion
 from ..cache.layer import CacheError, cache_bytes
 from ..generation.api import (DEFAULT_PREFILL_STEP_SIZE, GenerationResponse, check_context,
                               prefill, stream_decode, wired_limit)
@@ -62,7 +63,7 @@ class _Reply:
 def assistant_message(text: str, thinking: bool, is_finished: bool) -> dict:
     """The transcript entry for a generated reply (reasoning, answer, tool calls)."""
     try:
-        parsed = cf.parse_completion(text + (cf.EOS if is_finished else ""),
+        parsed = parse_completion(text + (cf.EOS if is_finished else ""),
                                      "thinking" if thinking else "chat")
         reasoning, content = parsed["reasoning_content"], parsed["content"]
         calls = parsed["tool_calls"]

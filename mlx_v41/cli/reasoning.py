@@ -1,5 +1,5 @@
 """How `mlx_v41.generate` and `mlx_v41.chat` print a thinking-mode reply as it streams: the
-reasoning (the text before `</think>`, as `chat.format.parse_completion` splits a turn) apart
+reasoning (the text before `</think>`, as `chat.completion.parse_completion` splits a turn) apart
 from the answer. On a terminal the reasoning is dimmed; elsewhere (a pipe, a file, NO_COLOR set)
 a line `[thinking]` comes before it and a line `[answer]` before the answer. Hidden, only the
 answer is printed (a terminal shows a dimmed `thinking...` until the answer starts).
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from ..chat.format import THINK_END, held_suffix
+from ..chat.completion import held_suffix
+from ..chat.format import THINK_END
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 CLEAR_LINE = "\r\x1b[2K"  # back to the line's start, then erase it

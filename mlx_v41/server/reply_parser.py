@@ -1,6 +1,6 @@
 """A reply split as it streams: reasoning (thinking mode, up to `</think>`), content, and the
 DSML tool-call block as OpenAI tool-call deltas (the name when an invoke opens, then the
-JSON arguments a parameter at a time). The grammar is `chat.format.parse_completion`'s; the
+JSON arguments a parameter at a time). The grammar is `chat.completion.parse_completion`'s; the
 whole text fed at once gives its fields. Text that could still become a marker is held back
 until it is decided. A malformed call block is passed on as content text, unparsed; a reply
 cut off by its token limit inside a call block ends with no markup: the complete calls stand,
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat import format as cf
-from ..chat.format import held_suffix
+from ..chat.completion import held_suffix
 
 _INVOKE = re.compile(rf'\s*{cf.INVOKE_OPEN} name="([^"]*)">')
 _PARAM = re.compile(rf'\s*{cf.PARAM_OPEN} name="([^"]*)" string="(true|false)">(.*?)'

@@ -21,7 +21,7 @@ from ...generation.sequence import BatchStats
 from ...generation.speculative import Sampling
 from ...model.vision.prompt import ImagePrompt, prepare_prompt
 from .prompt_store import PromptCacheStore, align_to_tokens
-from ...chat.format import held_suffix
+from ...chat.completion import held_suffix
 
 log = logging.getLogger("mlx_v41.server")
 

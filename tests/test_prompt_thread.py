@@ -17,7 +17,7 @@ import mlx_v41.generation.batch as batch_module
 import mlx_v41.generation.speculative as speculative
 from conftest import packed_state
 from mlx_v41.generation.batch import BatchGenerator
-from mlx_v41.generation.prompt_thread import PromptThread, check_prefill_thread
+from mlx_v41.generation.prompt_thread import THREAD_NAME, PromptThread, check_prefill_thread
 from mlx_v41.generation.sequence import BatchSequence
 from mlx_v41.model.prefill import Pieces
 import test_batch_schedule as schedule
@@ -25,7 +25,7 @@ from test_batch_schedule import STEP, alone, prompts
 
 pytestmark = pytest.mark.usefixtures("cpu")
 
-THREAD = "mlx_v41-prompts"
+THREAD = THREAD_NAME
 loaded = schedule.loaded  # the fixture: the tiny golden on the reference ops, its drafter too
 
 
@@ -201,6 +201,5 @@ def test_the_server_reads_prompts_on_the_thread(monkeypatch):
         prompt_thread = live.engine.generator.prompt_thread
         assert prompt_thread is not None
     finally:
-        live.close()
-    live.engine.close()
+        live.close()  # the server's shutdown closes the engine, which closes the generator
     assert prompt_thread.closed

@@ -101,25 +101,19 @@ def _error_response(path: str, status: int, message: str, headers: Optional[dict
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _refusal(scope, status: int, message: str, headers: Optional[dict] = None,
-             **fields) -> JSONResponse:
-    """A middleware's answer (no route ran) in the API's shape, chosen by the path."""
-    return _error_response(scope["path"], status, message, headers, **fields)
-
-
 def _add_access(app: FastAPI, phase: Callable[[], str], api_keys,
                 open_paths=OPEN_PATHS) -> None:
     """The 503s of a server not ready (loading, draining) inside the key check (a 401 comes
     first, and tells nothing of the server's state); `open_paths` need no key."""
-    app.add_middleware(Gate, phase=phase, refuse=lambda scope, message, code: _refusal(
-        scope, 503, message, kind="server_error", code=code))
-    add_keys(app, api_keys, refuse=lambda scope, message: _refusal(
-        scope, 401, message, {"WWW-Authenticate": "Bearer"}, kind="invalid_request_error",
-        code="invalid_api_key"), open_paths=open_paths)
+    app.add_middleware(Gate, phase=phase, refuse=lambda scope, message, code: _error_response(
+        scope["path"], 503, message, kind="server_error", code=code))
+    add_keys(app, api_keys, refuse=lambda scope, message: _error_response(
+        scope["path"], 401, message, {"WWW-Authenticate": "Bearer"},
+        kind="invalid_request_error", code="invalid_api_key"), open_paths=open_paths)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def error(request, status: int, message: str, **fields) -> JSONResponse:
+    def error(request, status: int, message: str, **fields) -> JSONResponse:  # a route's
         return _error_response(request.url.path, status, message, **fields)
 
     @app.exception_handler(RequestError)

@@ -7,7 +7,12 @@ written once; then each pair of runs times both trees, each in a fresh process t
 mlx_v41 from its tree, the order alternating from pair to pair so that the machine's drift falls
 on both alike. Prints every run, the medians and the ratio this / other.
 
+With --batch B: instead, the batched decode step (`batch_forward`) of B sequences at contexts
+spread over prompt / B .. prompt (snapshots of one prefill), `--decode` steps after one
+warm-up step, in tokens/s of the whole batch.
+
     python -m benchmarks.bench_ab --other /tmp/base [--pairs 4 --prompt 1024 --decode 24]
+    python -m benchmarks.bench_ab --other /tmp/base --batch 32 --decode 8
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(tree: Path, folder: Path, prompt: int, decode: int, step: int) -> dict:
+def child(tree: Path, folder: Path, prompt: int, decode: int, step: int, batch: int) -> dict:
     """One timed run with mlx_v41 imported from `tree` (this process only)."""
     sys.path.insert(0, str(tree))
     import mlx.core as mx
-    import numpy as np
 
     import mlx_v41
 
@@ -45,6 +51,9 @@ def child(tree: Path, folder: Path, prompt: int, decode: int, step: int) -> dict
     def call(x, cache):
         return model(x, cache=cache, last_only=True)
 
+    if batch:
+        return {"batch decode": batched(model, call, ids, decode, batch)}
+
     def run(ids, tokens):
         start = time.perf_counter()
         cache = prefill_chunks(call, model.make_cache, ids, step)
@@ -57,6 +66,32 @@ def child(tree: Path, folder: Path, prompt: int, decode: int, step: int) -> dict
     return {"prefill": prompt / prefill_s, "decode": decode / decode_s}
 
 
+def batched(model, call, ids, steps: int, batch: int) -> float:
+    """Tokens/s of `steps` batched decode steps of `batch` sequences at contexts prompt / batch
+    .. prompt (snapshots of one prefill, read in `batch` chunks), after one warm-up step."""
+    import mlx.core as mx
+
+    import mlx_v41
+    from mlx_v41.model.batch import batch_forward
+
+    cache, caches = model.make_cache(), []
+    for chunk in mx.split(ids, batch, axis=1):
+        mx.eval(call(chunk, cache))
+        caches.append(mlx_v41.copy_cache(cache))
+    tokens = mx.array(np.random.default_rng(1).integers(3, model.cfg.vocab_size,
+                                                        (steps + 1, batch, 1)), dtype=mx.int32)
+
+    def step(t):
+        mx.eval(batch_forward(model, tokens[t], caches).logits,
+                [c.state for one in caches for c in one])
+
+    step(0)
+    start = time.perf_counter()
+    for t in range(1, steps + 1):
+        step(t)
+    return steps * batch / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--other", type=Path, required=True, help="the other source tree")
@@ -65,11 +100,13 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=24)
     parser.add_argument("--prefill-step-size", type=int, default=512)
     parser.add_argument("--checkpoint", type=Path, help="reuse (or write) the checkpoint here")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="time the batched decode step of this many sequences instead")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.child, args.checkpoint, args.prompt, args.decode,
-                               args.prefill_step_size)))
+                               args.prefill_step_size, args.batch)))
         return
     if not (args.other / "mlx_v41" / "__init__.py").is_file():
         parser.error(f"--other {args.other}: no mlx_v41 package there")
@@ -88,21 +125,24 @@ def main() -> None:
             command = [sys.executable, "-m", "benchmarks.bench_ab", "--other", str(args.other),
                        "--child", str(trees[name]), "--checkpoint", str(folder),
                        "--prompt", str(args.prompt), "--decode", str(args.decode),
-                       "--prefill-step-size", str(args.prefill_step_size)]
+                       "--prefill-step-size", str(args.prefill_step_size),
+                       "--batch", str(args.batch)]
             out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                                  env={**os.environ, "PYTHONPATH": str(trees[name])})
             if out.returncode:
                 sys.exit(f"{name} run failed:\n{out.stderr[-2000:]}")
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"pair {pair + 1} {name:5s} prefill {runs[name][-1]['prefill']:6.1f} tok/s  "
-                  f"decode {runs[name][-1]['decode']:5.2f} tok/s", flush=True)
-    medians = {name: {k: statistics.median(r[k] for r in rs) for k in ("prefill", "decode")}
+            print(f"pair {pair + 1} {name:5s} {rates(runs[name][-1])}", flush=True)
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                for name, rs in runs.items()}
     for name, m in medians.items():
-        print(f"median {name:5s} prefill {m['prefill']:6.1f} tok/s  decode {m['decode']:5.2f} "
-              f"tok/s")
-    print(f"this / other: prefill {medians['this']['prefill'] / medians['other']['prefill']:.3f}x"
-          f"  decode {medians['this']['decode'] / medians['other']['decode']:.3f}x")
+        print(f"median {name:5s} {rates(m)}")
+    print("this / other: " + "  ".join(f"{k} {medians['this'][k] / medians['other'][k]:.3f}x"
+                                       for k in medians["this"]))
+
+
+def rates(run: dict) -> str:
+    return "  ".join(f"{k} {v:7.2f} tok/s" for k, v in run.items())
 
 
 if __name__ == "__main__":

@@ -25,10 +25,10 @@ counted; a `Compiled...` node (an `mx.compile` fusion) is one launch. Per layer 
 layers. The graph nodes with the views are printed too: on MLX's CPU backend every node, a view
 included, costs a few microseconds of scheduling.
 
-With --batch B...: launches of one batched decode step (`batch_forward`) at each B, on the
-Metal path (the counting factory's kernels) and the ops path, for B sequences whose windows
-are full (lengths from the window to --prompt) and for a mix with windows still filling
-(lengths from 1).
+With --batch B...: launches of one batched decode step (`batch_forward`, the second of two) at
+each B, on the Metal path (the counting factory's kernels) and the ops path, for B sequences
+whose windows are full (lengths from the window to --prompt) and for a mix with windows still
+filling (lengths from 1).
 
     python -m benchmarks.bench_graph [--prompt 256 --window 32 --index-topk 128 --top 12]
     python -m benchmarks.bench_graph --batch 1 8 32
@@ -142,8 +142,9 @@ def measure(name: str, load, ids: mx.array, token: mx.array, layers: int, top: i
 
 def batch_launches(folder: Path, path: str, sizes: list, lengths: list, rng) -> dict:
     """Launches of one batched decode step (`batch_forward`) of the first B sequences, per B:
-    each sequence prefilled alone to its length first (the cache arrays the step writes are
-    counted with its logits)."""
+    each sequence prefilled alone to its length, one batched step run, then the next one
+    counted (the steady state of a batch: its rings stay stacked from the first step on; the
+    cache arrays the step writes are counted with its logits)."""
     import mlx_v41
     from mlx_v41.model.batch import batch_forward
 
@@ -157,6 +158,7 @@ def batch_launches(folder: Path, path: str, sizes: list, lengths: list, rng) -> 
     for b in sizes:
         step = [mlx_v41.copy_cache(c) for c in caches[:b]]
         ids = mx.array(rng.integers(3, VOCAB, (b, 1)), dtype=mx.int32)
+        mx.eval(batch_forward(model, ids, step).logits, [cache_arrays(c) for c in step])
         logits = batch_forward(model, ids, step).logits
         out[b] = sum(launches(graph_counts([logits, *[a for c in step
                                                           for a in cache_arrays(c)]])).values())

@@ -12,6 +12,7 @@ import pytest
 
 import mlx_v41
 from conftest import golden_checkpoint, reference_ops, slow
+from mlx_v41.cache.stacked import is_shared
 from mlx_v41.generation.batch import BatchGenerator
 from mlx_v41.generation.sequence import RandomKey
 from mlx_v41.generation.batch_generate import batch_generate
@@ -185,6 +186,53 @@ def test_joins_and_leaves_mid_run(loaded):
     assert cut_prefill not in out
 
 
+def test_rings_stay_stacked_between_steps(loaded, monkeypatch):
+    """A step updates the window rings of the batch in the stacked array the step before it
+    wrote, not in a new concatenation of per-sequence rings (only a change of members
+    restacks them); a sequence that leaves takes its own rows out (its cache keeps no row of
+    the batch's arrays); every sequence emits what it emits alone."""
+    import mlx_v41.model.attention as attention
+    model, tokenizer = loaded
+    texts, lengths = prompts([20, 33, 41], seed=11), [4, 9, 9]
+    written, read = [], []
+
+    def recording(rows, values, positions):
+        out = update(rows, values, positions)
+        if rows.shape[0] > 1:
+            read.append(rows)
+        written.append(out)
+        return out
+
+    update = attention.swa_ring_update
+    monkeypatch.setattr(attention, "swa_ring_update", recording)
+    generator = BatchGenerator(model, stop_tokens=(), prefill_step_size=64)
+    uids = generator.insert(texts, max_tokens=lengths)
+    out, caches, pooled = {}, {}, 0
+    while len(generator):
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+        if len(generator.decoding) > 1:  # the compressed rows stay stacked too
+            stores = [[c.compressed for c in s.cache if c.compressed is not None]
+                      for s in generator.decoding]
+            pooled += all(is_shared(kv, name) for one in stores for kv in one
+                          for name in ("kv", "index_k", "inputs") if kv.ratio > 1 or
+                          name != "inputs")
+    layers = model.cfg.num_hidden_layers
+    restacked = sum(not any(rows is made for made in written) for rows in read)
+    assert len(read) >= 6 * layers and restacked <= 3 * layers, (len(read), restacked)
+    assert pooled >= 2
+    for cache in caches.values():
+        assert not any(is_shared(c.window, "rows") for c in cache)
+        assert all(c.window.rows.shape[0] == 1 for c in cache if c.window.allocated)
+        for kv in (c.compressed for c in cache if c.compressed is not None):
+            assert not any(is_shared(kv, name) for name in ("kv", "index_k", "inputs"))
+            assert kv.kv.shape[:2] == (1, 256) and kv.index_k.shape[:2] == (1, 256)
+    for uid, text, n in zip(uids, texts, lengths):
+        assert out[uid] == alone(model, tokenizer, text, max_tokens=n), uid
+
+
 @pytest.mark.slow
 def test_long_prefill_does_not_stall_decoding(loaded):
     """A long prompt is read one chunk per step while the others decode; a short prompt that
@@ -256,7 +304,7 @@ def test_an_interrupted_step_changes_no_cache(loaded, monkeypatch):
     for _ in range(4):
         generator.next()
     before = [[c.offset for c in s.cache] for s in generator.decoding]
-    arrays = [[a for c in s.cache for a in c.state] for s in generator.decoding]
+    arrays = [[np.array(a) for c in s.cache for a in c.state] for s in generator.decoding]
     original = type(model).head
 
     def interrupted(self, hidden, last_only):
@@ -267,7 +315,7 @@ def test_an_interrupted_step_changes_no_cache(loaded, monkeypatch):
         generator.next()
     monkeypatch.setattr(type(model), "head", original)
     assert [[c.offset for c in s.cache] for s in generator.decoding] == before
-    assert all(x is y for s, was in zip(generator.decoding, arrays)
+    assert all(np.array_equal(np.array(x), y) for s, was in zip(generator.decoding, arrays)
                for x, y in zip([a for c in s.cache for a in c.state], was))
     out = run(generator)
     assert len(out) == 2  # and the batch goes on
@@ -455,7 +503,7 @@ def test_a_step_starts_the_next_tokens_before_it_reads_its_own(loaded, monkeypat
 def test_stack_padded_pads_each_part_with_the_fill(axis, sizes, fill):
     """`stack_padded` (the stacked path's padding: one concatenation and one gather) gives
     each part's rows, then `fill`, as padding every part alone does."""
-    from mlx_v41.model.stacked import stack_padded
+    from mlx_v41.cache.stacked import stack_padded
 
     rng = np.random.default_rng(len(sizes))
     dtype = np.bool_ if isinstance(fill, bool) else np.int32 if fill == -1 else np.uint8

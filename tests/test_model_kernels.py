@@ -102,7 +102,8 @@ def test_a_batch_on_the_simulated_kernels_stacks_and_equals_each_sequence_alone(
     every sequence's selection padded to the widest and the filling windows' front padding
     left out (`window_first`): every sequence's logits and window ring equal its own batch-1
     step through the same kernels, bit for bit, and the attention kernels launch once per
-    layer, not once per sequence."""
+    layer, not once per sequence. Three steps: from the second on the rings and the
+    compressed rows are the ones the step before left stacked."""
     calls = {}
     model = tiny_model(counted_simulated_kernels(calls)[0])
     rng = np.random.default_rng(7)
@@ -115,14 +116,20 @@ def test_a_batch_on_the_simulated_kernels_stacks_and_equals_each_sequence_alone(
         caches.append(cache)
     alone = [mlx_v41.copy_cache(c) for c in caches]
     ids = mx.array([[t] for t in firsts], dtype=mx.int32)
-    calls.clear()
-    batched = batch_forward(model, ids, caches).logits
-    mx.eval(batched)
-    in_batch = dict(calls)
-    for b in range(len(lengths)):
+    for step in range(3):
         calls.clear()
-        own = model(ids[b:b + 1], cache=alone[b])
-        assert mx.array_equal(batched[b:b + 1], own).item(), b
-        assert mx.array_equal(caches[b][-1].window.rows, alone[b][-1].window.rows).item()
-    for name in ("window_rows", "swa_ring_update", "rope_products", "sparse_attention"):
-        assert in_batch[name] == calls[name], (name, in_batch[name], calls[name])
+        batched = batch_forward(model, ids, caches).logits
+        mx.eval(batched)
+        in_batch = dict(calls)
+        for b in range(len(lengths)):
+            calls.clear()
+            own = model(ids[b:b + 1], cache=alone[b])
+            assert mx.array_equal(batched[b:b + 1], own).item(), (step, b)
+            for mine, its in zip(caches[b], alone[b]):
+                assert mx.array_equal(mine.window.rows, its.window.rows).item()
+                if mine.compressed is not None and mine.compressed.count:
+                    assert mx.array_equal(mine.compressed.packed_rows(),
+                                          its.compressed.packed_rows()).item()
+        for name in ("window_rows", "swa_ring_update", "rope_products", "sparse_attention"):
+            assert in_batch[name] == calls[name], (name, in_batch[name], calls[name])
+        ids = mx.argmax(batched[:, -1:], axis=-1).astype(mx.int32)

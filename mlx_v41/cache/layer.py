@@ -23,6 +23,7 @@ from ..kernels.fp4_pack import fp4_pack
 from ..kernels.swa_ring import swa_ring_update
 from ..kernels.window_rows import recent_rows, window_rows
 from ..numerics.quant import unpack_fp8_e8m0
+from .stacked import Stackable, is_held, is_shared, share, stack_padded, stacked, unshare
 
 GROW_STEP = 256  # rows added when a compressed cache fills
 ENGRAM_KEPT = 512  # Engram ids kept: > the most a trim can undo (one ring) + the n-gram history
@@ -57,12 +58,15 @@ def _grow(buf: Optional[mx.array], needed: int, batch: int, width: int, dtype) -
 
 
 class WindowRing:
-    """Window KV rows of positions [valid_from, end) in slots position mod capacity."""
+    """Window KV rows of positions [valid_from, end) in slots position mod capacity. In a batch
+    step the rows may be a row of the rings of every sequence stacked (`cache/stacked.py`)."""
+
+    rows = Stackable()  # [B, capacity, 33 * D / 32] uint8, or None while nothing is written
 
     def __init__(self, window: int, capacity: Optional[int] = None):
         self.window = window
         self.capacity = capacity or RING_FACTOR * window
-        self.rows: Optional[mx.array] = None   # [B, capacity, 33 * D / 32] uint8
+        self.rows = None
         self.valid_from = 0
         self.end = 0
 
@@ -80,7 +84,7 @@ class WindowRing:
 
     def _held_before(self, position: int) -> int:
         """How many rows before `position` a window reads from the ring (0: none held)."""
-        return 0 if self.rows is None else min(position, self.window - 1)
+        return min(position, self.window - 1) if self.allocated else 0
 
     def rows_at(self, positions: mx.array) -> mx.array:
         """Decoded rows [B, n, d] of the given held positions, in the given order."""
@@ -88,7 +92,7 @@ class WindowRing:
 
     def write(self, values: mx.array, position: int) -> None:
         """Store window KV values of positions [position, position + S) as FP8 rows."""
-        if self.rows is None:
+        if not self.allocated:
             width = values.shape[-1] + values.shape[-1] // 32
             self.rows = mx.zeros((values.shape[0], self.capacity, width), mx.uint8)
         self.took(swa_ring_update(self.rows, values, position), position, values.shape[1])
@@ -97,6 +101,10 @@ class WindowRing:
         """`rows` are now the ring, after positions [position, position + length) were
         written into it (by `write`, or by one update of several stacked rings)."""
         self.rows = rows
+        self.advanced(position, length)
+
+    def advanced(self, position: int, length: int) -> None:
+        """Positions [position, position + length) are now in the rows."""
         end = position + length
         if position > self.end:  # rows in between were never computed (CED prefill)
             self.valid_from = position
@@ -107,23 +115,32 @@ class WindowRing:
         self.end = position
 
     @property
+    def allocated(self) -> bool:
+        return is_held(self, "rows")
+
+    @property
     def nbytes(self) -> int:
-        return 0 if self.rows is None else self.rows.nbytes
+        return self.rows.nbytes if self.allocated else 0
 
 
 class CompressedKV:
-    """An owner layer's packed global cache: row j = compressed group j."""
+    """An owner layer's packed global cache: row j = compressed group j. In a batch the rows
+    of the decoding sequences stay stacked, padded to one capacity (`append_stacked`)."""
+
+    kv = Stackable()       # [B, capacity, 288-style] uint8, or None before the first row
+    index_k = Stackable()  # [B, capacity, 68-style] uint8
+
+    # Ring of recent compressor inputs (k, score) [B, history, 2, d] fp32, slot = position mod
+    # history: what a trim to an odd length needs to reopen a group (stackable in a batch).
+    inputs = Stackable()
 
     def __init__(self, ratio: int, history: int = 0):
         self.ratio = ratio
         self.count = 0
-        self.kv: Optional[mx.array] = None        # [B, capacity, 288-style] uint8
-        self.index_k: Optional[mx.array] = None   # [B, capacity, 68-style] uint8
+        self.kv = self.index_k = None
         self.pending: Optional[tuple[mx.array, mx.array]] = None  # (k, score) [B, 1, d] fp32
-        # Ring of recent compressor inputs (k, score) [B, history, 2, d], slot = position mod
-        # history: what a trim to an odd length needs to reopen a group.
         self.history = history
-        self.inputs: Optional[mx.array] = None
+        self.inputs = None
 
     def append(self, kv_values: mx.array, index_values: mx.array) -> None:
         """Pack and store new rows (their values are already RoPE'd)."""
@@ -155,11 +172,6 @@ class CompressedKV:
         start = position + rows.shape[1] - keep
         self.inputs = _put_rows(self.inputs, mx.arange(start, start + keep) % self.history,
                                 rows[:, -keep:])
-
-    def took_inputs(self, inputs: mx.array) -> None:
-        """`inputs` [1, history, 2, d] are now the input ring (written by one update of
-        several stacked rings)."""
-        self.inputs = inputs
 
     def packed_rows(self) -> mx.array:
         """Packed main-KV rows [B, count, bytes]; attention decodes only what it selects."""
@@ -214,7 +226,7 @@ class LayerCache:
     @property
     def batch(self) -> Optional[int]:
         """Rows of the batch this cache holds (None while empty)."""
-        return None if self.window.rows is None else self.window.rows.shape[0]
+        return self.window.rows.shape[0] if self.window.allocated else None
 
     def is_trimmable(self) -> bool:
         return True
@@ -337,6 +349,69 @@ def trim_cache(cache: list, n: int) -> int:
     for c in cache:
         c.trim(n)
     return n
+
+
+def stacked_packed(stores: list, name: str, width: int) -> mx.array:
+    """The stores' packed rows (`name`: "kv" or "index_k", `width` bytes each) [G, T, width],
+    T >= every count: the array they share (no launch), or their rows stacked, padded with
+    zeros to the longest (one concatenation and one gather). Rows past a store's count are
+    not its own."""
+    if any(is_shared(s, name) for s in stores) and all(is_held(s, name) for s in stores):
+        return stacked(stores, name, padded=True)
+    return stack_padded([getattr(s, name)[:, :s.count] if s.count
+                         else mx.zeros((1, 0, width), mx.uint8) for s in stores])
+
+
+def append_stacked(stores: list, members: list, kv: mx.array, ik: mx.array) -> None:
+    """`append_packed` of kv / ik [M, n, bytes] to stores[members[m]], M of the G stores of a
+    batch step, at once: the G stores' rows become (or stay) rows of arrays they share, padded
+    to one capacity (GROW_STEP pages), and each array takes every new row in one scatter."""
+    n = kv.shape[1]
+    counts = np.asarray([stores[g].count for g in members])
+    needed = max(s.count for s in stores) + n
+    for name, rows in (("kv", kv), ("index_k", ik)):
+        pool = _grow(_pool(stores, name, rows.shape[-1]), needed, len(stores), rows.shape[-1],
+                     mx.uint8)
+        share(stores, name, _put_flat(pool, np.asarray(members), counts, rows))
+    for g in members:
+        stores[g].count += n
+
+
+def _pool(stores: list, name: str, width: int) -> Optional[mx.array]:
+    """The stores' whole arrays (not only their counts) stacked, padded to the largest."""
+    if not any(is_held(s, name) for s in stores):
+        return None
+    if all(is_held(s, name) for s in stores):
+        return stacked(stores, name, padded=True)
+    return stack_padded([getattr(s, name) if is_held(s, name)
+                         else mx.zeros((1, 0, width), mx.uint8) for s in stores])
+
+
+def _put_flat(pool: mx.array, members: np.ndarray, counts: np.ndarray,
+              rows: mx.array) -> mx.array:
+    """`pool` [G, T, w] with rows [M, n, w] at rows counts[m].. of batch row members[m]
+    (one scatter; the index is made on the host)."""
+    batch, total, width = pool.shape
+    m, n, _ = rows.shape
+    flat = (members[:, None] * total + counts[:, None] + np.arange(n)).reshape(-1)
+    index = mx.broadcast_to(mx.array(flat.astype(np.int32))[:, None], (m * n, width))
+    out = mx.put_along_axis(pool.reshape(batch * total, width), index,
+                            rows.reshape(m * n, width), axis=0)
+    return out.reshape(batch, total, width)
+
+
+def unshare_cache(cache: list) -> None:
+    """Give every layer its own rings and rows again (a sequence leaving a batch): one gather
+    per array that is a row of the batch's stacked arrays, so the finished cache keeps only
+    its own (its compressed rows cut to its own GROW_STEP pages)."""
+    for c in cache:
+        unshare(c.window, "rows")
+        kv = c.compressed
+        if kv is not None:
+            unshare(kv, "inputs")
+            pages = -(-max(kv.count, 1) // GROW_STEP) * GROW_STEP
+            unshare(kv, "kv", pages)
+            unshare(kv, "index_k", pages)
 
 
 def cache_bytes(cache: list) -> dict:

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .layer import CacheError, LayerCache, refresh_trim_budget
+from .layer import CacheError, LayerCache, refresh_trim_budget, unshare_cache
 
 FORMAT_FAMILY = "mlx_v41.prompt_cache."
 FORMAT = FORMAT_FAMILY + "v2"  # v2: weights and prefill-mode fingerprints (v1: config only)
@@ -241,8 +241,11 @@ def _restore(i: int, c: LayerCache, meta: dict, arrays: dict, path: Path) -> Non
 
 
 def copy_cache(cache: list) -> list:
-    """An independent copy sharing the (immutable) MLX arrays: cheap snapshots for chat."""
-    return [copy.copy(_copy_layer(c)) for c in cache]
+    """An independent copy sharing the (immutable) MLX arrays: cheap snapshots for chat. A ring
+    that is a row of a batch's stacked rings is copied out, so the copy keeps only its own."""
+    copied = [_copy_layer(c) for c in cache]
+    unshare_cache(copied)
+    return copied
 
 
 def _copy_layer(c: LayerCache) -> LayerCache:

@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from ..cache.layer import trim_cache
+from ..cache.layer import trim_cache, unshare_cache
 from ..cache.persistence import copy_cache
 from ..kernels.context import using
 from ..model.batch import batch_forward
@@ -233,6 +233,7 @@ class BatchGenerator(PromptSchedule):
         for group in (self.waiting, self.prefilling, self.decoding):
             for seq in [s for s in group if s.uid in uids]:
                 group.remove(seq)
+                unshare_cache(seq.cache)
                 if seq.steps is not None:
                     seq.steps.close()
                     seq.steps = None
@@ -469,6 +470,7 @@ class BatchGenerator(PromptSchedule):
     def _finish(self, seq, response: Optional[Response] = None) -> Response:
         if seq in self.decoding:
             self.decoding.remove(seq)
+        unshare_cache(seq.cache)  # its rings were rows of the batch's stacked rings
         response = response or Response(seq.uid, -1, None)
         response.finish_reason = seq.finish_reason or "length"
         response.prompt_cache = seq.cache
@@ -480,5 +482,6 @@ class BatchGenerator(PromptSchedule):
         for group in (self.prefilling, self.decoding):
             if seq in group:
                 group.remove(seq)
+        unshare_cache(seq.cache)
         forks, seq.forks = seq.forks, []
         return [Response(one.uid, -1, None, "error", one.cache, error) for one in (seq, *forks)]

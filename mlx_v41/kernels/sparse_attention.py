@@ -49,10 +49,12 @@ def _selected(picks: mx.array, total: mx.array, offsets: mx.array):
     return present, mx.where(present, picks, 0) + offsets
 
 
-def _gather_packed(packed_kv: mx.array, rows: mx.array):
-    """(packed rows [B, S, K, P] of rows [B, S, K] (-1 / >= T empty: row 0), is filled)."""
+def _gather_packed(packed_kv: mx.array, rows: mx.array, batch_rows=None):
+    """(packed rows [B, S, K, P] of rows [B, S, K] (-1 / >= T empty: row 0), is filled);
+    row b of `rows` reads batch row batch_rows[b] of packed_kv (default b)."""
     batch, total, width = packed_kv.shape
-    offsets = mx.array((np.arange(batch) * total)[:, None, None].astype(np.int32))
+    own = np.arange(batch) if batch_rows is None else np.asarray(batch_rows)
+    offsets = mx.array((own * total)[:, None, None].astype(np.int32))
     present, flat = _selected(rows, mx.array(total, dtype=rows.dtype), offsets)
     return packed_kv.reshape(batch * total, width)[flat], present
 
@@ -95,11 +97,12 @@ def sparse_attention_ops(q, window, packed_kv, rows, sinks, scale: float, window
                           window_first)
 
 
-def gather_selected(packed_kv: mx.array, rows: mx.array):
+def gather_selected(packed_kv: mx.array, rows: mx.array, batch_rows=None):
     """(packed rows [B, S, K, P], is each filled [B, S, K]) of the selection `rows` [B, S, K]
-    of `packed_kv` [B, T, P] (T > 0), as `sparse_attention_ops` gathers them: what
-    `gathered_attention_ops` reads, so that sequences with caches of their own attend at once."""
-    return _gather_packed(packed_kv, rows)
+    of `packed_kv` [G, T, P] (T > 0; row b reads batch row batch_rows[b], default b), as
+    `sparse_attention_ops` gathers them: what `gathered_attention_ops` reads, so that
+    sequences with caches of their own attend at once."""
+    return _gather_packed(packed_kv, rows, batch_rows)
 
 
 def gathered_attention_ops(q, window, selected, sinks, scale: float, window_size: int,

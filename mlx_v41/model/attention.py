@@ -11,7 +11,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.layer import LayerCache
+from ..cache.layer import LayerCache, append_stacked, stacked_packed
+from ..cache.stacked import share, stack_padded, stacked as stacked_rows
 from .compressor import Compressor
 from .config import TextConfig
 from .shared import BatchState, ForwardState
@@ -20,7 +21,7 @@ from . import indexer as indexer_mod
 from .selection import Pool, select_rows
 from .stacked_selection import select_stacked
 from .schedule import FULL, LayerRole
-from .stacked import in_order, split_rows, stack, stack_padded, take_rows
+from .stacked import in_order, split_rows, stack, take_rows
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
 from ..kernels.act_fp8 import ACT_FP8
@@ -176,7 +177,7 @@ class Attention(nn.Module):
         if n_out != n_in or (self.stack_on_ops_only and not runs_ops(*STACKED_OPS)):
             return []
         return [b for b, cache in enumerate(caches)
-                if cache.window.rows is not None and n_in <= cache.window.capacity]
+                if cache.window.allocated and n_in <= cache.window.capacity]
 
     def _attend_stacked(self, x, kv_products, q, qr, qr_fp8, states: list, caches: list,
                         ctx: BatchState) -> mx.array:
@@ -192,7 +193,7 @@ class Attention(nn.Module):
         kv, = norm(kv_products, self.kv_norm.weight, self.kv_norm.eps, products=True,
                    rope=self.rope, positions=starts, outputs=("fp8",), fp8_dtype=mx.bfloat16)
         rings = [cache.window for cache in caches]
-        stacked = mx.concatenate([ring.rows for ring in rings], axis=0)
+        stacked = stacked_rows(rings, "rows")  # kept stacked from the last step where it can
         window = window_rows(stacked, kv, starts, held)
         _wrote_rows(rings, swa_ring_update(stacked, kv, starts), starts, kv.shape[1])
         each = _Split(x, qr, qr_fp8)
@@ -233,14 +234,14 @@ class Attention(nn.Module):
         if key not in ctx.selected:
             stores = [state.shared[role.kv_owner].store for state in states]
             owner = ("packed", role.kv_owner, ids)
-            if owner not in ctx.selected:
-                ctx.selected[owner] = stack_padded([
-                    store.packed_rows() if store.count else mx.zeros((1, 0, width), mx.uint8)
-                    for store in stores])
-            selections = self._stacked_rows(x, qr, qr_fp8, each, states)
-            ctx.selected[key] = (ctx.selected[owner], stack_padded([
-                picks if store.count else mx.zeros((1, length, 0), mx.int32)
-                for picks, store in zip(selections, stores)], -1, axis=2))
+            if owner not in ctx.selected:  # kept stacked from the last step where it can
+                ctx.selected[owner] = stacked_packed(stores, "kv", width)
+            selections = self._stacked_rows(x, qr, qr_fp8, each, states, ctx)
+            picks = ctx.selected.get(("picks", source, ids))  # select_stacked's, -1 padded
+            if picks is None:
+                picks = stack_padded([p if store.count else mx.zeros((1, length, 0), mx.int32)
+                                      for p, store in zip(selections, stores)], -1, axis=2)
+            ctx.selected[key] = (ctx.selected[owner], picks)
         return ctx.selected[key]
 
     def _compress_stacked(self, x: mx.array, states: list) -> None:
@@ -262,11 +263,9 @@ class Attention(nn.Module):
             return
         latents = stack([latents for _, latents, _ in made])
         starts = tuple(first * ratio for _, _, firsts in made for first in firsts)
-        kv = split_rows(fp4_pack(self.rope(latents, starts), "kv"))
-        index = split_rows(fp4_pack(self.indexer.keys(latents, starts, self.rope), "index"))
-        order = [g for members, _, _ in made for g in members]
-        for g, rows, keys in zip(order, kv, index):
-            stores[g].append_packed(rows, keys)
+        kv = fp4_pack(self.rope(latents, starts), "kv")
+        index = fp4_pack(self.indexer.keys(latents, starts, self.rope), "index")
+        append_stacked(stores, [g for members, _, _ in made for g in members], kv, index)
 
     def _selected_groups(self, x, qr, qr_fp8, each: "_Split", states: list,
                          ctx: BatchState) -> list:
@@ -280,22 +279,26 @@ class Attention(nn.Module):
         source = role.layer if role.has_indexer else role.topk_owner
         key = (role.kv_owner, source, tuple(map(id, states)))
         if key not in ctx.selected:
-            rows = self._stacked_rows(x, qr, qr_fp8, each, states)
+            rows = self._stacked_rows(x, qr, qr_fp8, each, states, ctx)
+            stores = [state.shared[role.kv_owner].store for state in states]
             groups: dict = {}
-            for g, (state, picks) in enumerate(zip(states, rows)):
-                store = state.shared[role.kv_owner].store
-                width = picks.shape[-1] if store.count else 0
-                groups.setdefault(width, []).append(
-                    (g, gather_selected(store.packed_rows(), picks) if width else None))
-            ctx.selected[key] = [([g for g, _ in group], None if width == 0 else tuple(
-                stack([picked[i] for _, picked in group]) for i in range(2)))
-                for width, group in groups.items()]
+            for g, (store, picks) in enumerate(zip(stores, rows)):
+                groups.setdefault(picks.shape[-1] if store.count else 0, []).append(g)
+            owner = ("packed", role.kv_owner, key[2])
+            if owner not in ctx.selected and set(groups) != {0}:
+                ctx.selected[owner] = stacked_packed(stores, "kv",
+                                                     packed_row_bytes(self.head_dim))
+            ctx.selected[key] = [(members, None if width == 0 else gather_selected(
+                ctx.selected[owner], stack([rows[g] for g in members]), members))
+                for width, members in groups.items()]  # one gather per width
         return ctx.selected[key]
 
-    def _stacked_rows(self, x, qr, qr_fp8, each: "_Split", states: list) -> list:
+    def _stacked_rows(self, x, qr, qr_fp8, each: "_Split", states: list,
+                      ctx: BatchState) -> list:
         """Each sequence's selection [1, n, k] for the stacked rows: an index layer's own
         (`select_stacked` where every sequence has rows to select from, else one by one),
-        or the index layer's it reuses."""
+        or the index layer's it reuses. `select_stacked`'s stacked rows, each sequence's
+        picks padded with -1 to the widest, go to `ctx.selected` for the kernel."""
         role, n = self.role, x.shape[1]
         shared = [state.shared[role.kv_owner] for state in states]
         if not role.has_indexer:
@@ -310,10 +313,13 @@ class Attention(nn.Module):
                 or states[0].compat_index_k_source is not None):
             return [self._global_rows(each.x(g), each.qr(g), each.qr_fp8(g), state)
                     for g, state in enumerate(states)]
-        picked = select_stacked(self.indexer, self.rope, x, qr, qr_fp8,
-                                [s.store.packed_index_keys() for s in shared],
-                                tuple(state.end - n for state in states), role.ratio,
-                                self.topk, pool)
+        stores = [s.store for s in shared]
+        keys = stacked_packed(stores, "index_k", stores[0].index_k.shape[-1])
+        picked, padded = select_stacked(self.indexer, self.rope, x, qr, qr_fp8,
+                                        keys[:, :max(counts)], counts,
+                                        tuple(state.end - n for state in states), role.ratio,
+                                        self.topk, pool)
+        ctx.selected[("picks", role.layer, tuple(map(id, states)))] = padded
         for s, p in zip(shared, picked):
             if p.member is not None:
                 s.pool = p.member
@@ -439,6 +445,8 @@ class _Split:
 
 
 def _wrote_rows(rings: list, stacked: mx.array, starts: tuple, length: int) -> None:
-    """Hand each ring its row of the stacked ring after writing `length` rows at its start."""
-    for ring, row, start in zip(rings, split_rows(stacked), starts):
-        ring.took(row, start, length)
+    """The rings share the stacked ring (each its row) after `length` rows were written at
+    each one's start: the next step finds them stacked."""
+    share(rings, "rows", stacked)
+    for ring, start in zip(rings, starts):
+        ring.advanced(start, length)

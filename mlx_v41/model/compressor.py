@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.layer import CompressedKV
+from ..cache.stacked import row_shape, share, stacked as stacked_rows
 from .stacked import split_rows, stack, take_rows
 from .layers import Linear, RMSNorm
 
@@ -83,15 +84,13 @@ def _remember_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> 
     """`remember_inputs` of every store: one update of the stacked rings where all hold a
     ring of the same shape with room for the rows, else one by one."""
     batch, length = k.shape[:2]
-    rings = [store.inputs for store in stores]
     history = stores[0].history
-    if (not history or any(r is None for r in rings) or length > history
-            or len({(store.history,) + r.shape for store, r in zip(stores, rings)}) > 1):
+    shapes = {(store.history, row_shape(store, "inputs")) for store in stores}
+    if not history or length > history or len(shapes) > 1 or (history, None) in shapes:
         for g, store in enumerate(stores):
             store.remember_inputs(k[g:g + 1], s[g:g + 1], starts[g])
         return
     slots = (mx.array(starts)[:, None] + mx.arange(length)) % history
-    rows = mx.put_along_axis(stack(rings), slots.reshape(batch, length, 1, 1),
+    rows = mx.put_along_axis(stacked_rows(stores, "inputs"), slots.reshape(batch, length, 1, 1),
                              mx.stack([k, s], axis=2), axis=1)
-    for store, row in zip(stores, split_rows(rows)):
-        store.took_inputs(row)
+    share(stores, "inputs", rows)  # the next step finds them stacked

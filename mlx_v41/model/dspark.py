@@ -12,6 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache.stacked import row_shape, share, stacked as stacked_rows
 from ..kernels.sparse_attention import attend
 from ..kernels.swa_ring import swa_ring_update
 from .attention import add_projections
@@ -133,14 +134,14 @@ class DSpark(nn.Module):
         where every ring is allocated and as large; else each its own."""
         for stage, values in enumerate(self.ring_rows(main_x, positions)):
             rings = [entries[stage].window for entries in caches]
-            if any(r.rows is None for r in rings) or len({r.rows.shape for r in rings}) > 1:
+            shapes = {row_shape(r, "rows") for r in rings}
+            if None in shapes or len(shapes) > 1:
                 for ring, rows, position in zip(rings, split_rows(values), positions):
                     ring.write(rows, position)
                 continue
-            stacked = swa_ring_update(mx.concatenate([r.rows for r in rings]), values,
-                                      positions)
-            for ring, rows, position in zip(rings, split_rows(stacked), positions):
-                ring.took(rows, position, values.shape[1])
+            share(rings, "rows", swa_ring_update(stacked_rows(rings, "rows"), values, positions))
+            for ring, position in zip(rings, positions):
+                ring.advanced(position, values.shape[1])
 
     def ring_keys(self, ring, position: int) -> Optional[mx.array]:
         """A stage ring's rows of the last `sliding_window` positions before `position`, in

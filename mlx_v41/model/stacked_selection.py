@@ -17,21 +17,23 @@ import mlx.core as mx
 import numpy as np
 
 from .indexer import NEG_INF, sort_key
-from .stacked import split_rows, stack_padded
+from ..cache.stacked import stack_padded
+from .stacked import split_rows
 from .selection import Pool, Selection, _membership, _merge, finish
 from ..numerics.quant import unpack_fp4_e8m0
 
 
-def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: list, starts: tuple, ratio: int,
-                   topk: int, pool: Optional[Pool] = None) -> list:
+def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: mx.array, counts: list,
+                   starts: tuple, ratio: int, topk: int, pool: Optional[Pool] = None) -> list:
     """`select_rows` of G sequences: query rows x [G, n, D] (low-rank queries qr, their
-    act_fp8 qr_fp8) from positions starts[g] on, against packed_keys[g] [1, T_g, bytes]
-    (T_g > 0). `pool.member`, where given, is the list of each sequence's [1, n, blocks_g].
-    Returns each sequence's `Selection` (rows [1, n, min(topk, T_g)], the candidate source's
-    member [1, n, ceil(T_g / block)])."""
-    counts = [keys.shape[1] for keys in packed_keys]
+    act_fp8 qr_fp8) from positions starts[g] on, against the first counts[g] > 0 rows of
+    packed_keys[g] ([G, max(counts), bytes]; the rows after them score -inf, never picked).
+    `pool.member`, where given, is the list of each sequence's [1, n, blocks_g]. Returns
+    (each sequence's `Selection`: rows [1, n, min(topk, T_g)], the candidate source's member
+    [1, n, ceil(T_g / block)]; all rows [G, n, min(topk, max(counts))], each sequence's
+    padded with -1: a padded row scores -inf, and -inf picks come last as -1)."""
     total, length = max(counts), x.shape[1]
-    keys = unpack_fp4_e8m0(stack_padded(packed_keys))
+    keys = unpack_fp4_e8m0(packed_keys)
     q, weights = indexer.queries(x, qr, starts, rope, qr_fp8)
     positions = mx.array((np.asarray(starts, np.int64)[:, None]
                           + np.arange(length)).astype(np.int32))              # [G, n]
@@ -44,14 +46,13 @@ def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: list, starts: tupl
     elif pool is not None:
         given = stack_padded(pool.member, False, axis=2)
         scores = mx.where(mx.repeat(given, pool.block, axis=-1)[..., :total], scores, NEG_INF)
-    rows = finish(_merge(None, sort_key(scores, 0), topk), total)
-    rows = split_rows(rows)
+    stacked = finish(_merge(None, sort_key(scores, 0), topk), total)
     members = [None] * len(counts)
     if member is not None:
         members = split_rows(member)
         members = [m[..., :-(-count // pool.block)] for m, count in zip(members, counts)]
     return [Selection(r[..., :min(topk, count)], m)
-            for r, m, count in zip(rows, members, counts)]
+            for r, m, count in zip(split_rows(stacked), members, counts)], stacked
 
 
 def _pool_members(scores, complete, pool: Pool) -> mx.array:

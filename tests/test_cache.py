@@ -211,6 +211,54 @@ def test_copy_cache_is_an_independent_snapshot(prompt):
     assert mx.array_equal(model(step, cache=snapshot), model(step, cache=fresh))
 
 
+def test_rows_shared_by_a_batch_read_as_their_own_and_copy_out():
+    """`cache/stacked.py`: rings (and a subclass's inherited fields, as a pipeline rank's
+    mirrored rows) that are rows of one shared array read as their own rows; the array is
+    reused only for the same holders in the same order; a layer snapshot restores the sharing;
+    `unshare_cache` gives each its own copy (the compressed rows cut to their pages)."""
+    from mlx_v41.cache.layer import GROW_STEP, CompressedKV, LayerCache, unshare_cache
+    from mlx_v41.cache.stacked import is_shared, share, stacked
+
+    class Mirror(CompressedKV):
+        pass
+
+    caches = [LayerCache(4, ratio=2, owns_kv=True) for _ in range(3)]
+    for i, c in enumerate(caches):
+        c.compressed = Mirror(2, 8)
+        c.window.rows = mx.full((1, 8, 5), i, mx.uint8)
+        c.compressed.inputs = mx.full((1, 8, 2, 3), float(i))
+        c.compressed.kv = mx.full((1, 2 * GROW_STEP, 4), i, mx.uint8)
+        c.compressed.index_k = mx.full((1, 2 * GROW_STEP, 2), i, mx.uint8)
+        c.compressed.count = 3
+    rings = [c.window for c in caches]
+    joined = stacked(rings, "rows")
+    assert joined.shape == (3, 8, 5) and not is_shared(rings[0], "rows")
+    share(rings, "rows", joined + 10)
+    saved = caches[1].snapshot()
+    assert stacked(rings, "rows") is stacked(rings, "rows")  # the shared array itself
+    assert stacked(rings[::-1], "rows") is not stacked(rings, "rows")
+    assert [int(r.rows[0, 0, 0]) for r in rings] == [10, 11, 12]
+    assert [int(r.rows[0, 0, 0]) for r in rings[::-1]] == \
+        [int(v) for v in stacked(rings[::-1], "rows")[:, 0, 0]]
+    rings[1].rows = mx.zeros((1, 8, 5), mx.uint8)  # a write alone: its own array again
+    assert not is_shared(rings[1], "rows") and is_shared(rings[0], "rows")
+    caches[1].restore(saved)
+    assert is_shared(rings[1], "rows") and int(rings[1].rows[0, 0, 0]) == 11
+    stores = [c.compressed for c in caches]
+    share(stores, "inputs", stacked(stores, "inputs"))
+    share(stores, "kv", stacked(stores, "kv"))
+    unshare_cache([caches[2]])
+    mine = caches[2]
+    assert not any(is_shared(x, n) for x, n in ((mine.window, "rows"),
+                                                (mine.compressed, "inputs"),
+                                                (mine.compressed, "kv")))
+    assert mine.window.rows.shape == (1, 8, 5) and int(mine.window.rows[0, 0, 0]) == 12
+    assert float(mine.compressed.inputs[0, 0, 0, 0]) == 2.0
+    assert mine.compressed.kv.shape == (1, GROW_STEP, 4)  # its 3 rows' page, not the pool's
+    assert int(mine.compressed.kv[0, 0, 0]) == 2
+    assert is_shared(caches[0].compressed, "kv")
+
+
 def test_positions_past_the_maximum_are_refused(prompt):
     model = _model("ced")
     cache = model.make_cache()

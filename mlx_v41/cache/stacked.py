@@ -39,7 +39,7 @@ class Stackable:
 
 
 def _field(holder, name: str) -> Stackable:
-    return type(holder).__dict__[name]
+    return getattr(type(holder), name)  # the descriptor itself (a subclass inherits it)
 
 
 def is_held(holder, name: str) -> bool:

@@ -259,6 +259,28 @@ def test_rows_shared_by_a_batch_read_as_their_own_and_copy_out():
     assert is_shared(caches[0].compressed, "kv")
 
 
+def test_a_cache_that_leaves_a_batch_keeps_none_of_its_arrays_alive():
+    """After `unshare_cache` nothing of the cache views the batch's arrays, its open compressor
+    group included (a slice of the batch's rows, as a step or a rollback leaves it): the
+    batch's memory goes once the batch drops it."""
+    from mlx_v41.cache.layer import LayerCache, unshare_cache
+    from mlx_v41.cache.stacked import share
+
+    caches = [LayerCache(4, ratio=2, owns_kv=True) for _ in range(4)]
+    big = mx.ones((4, 4096, 2, 256))  # 32 MiB of input rings, shared by the four
+    mx.eval(big)
+    share([c.compressed for c in caches], "inputs", big)
+    mine = caches[1].compressed
+    mine.pending = (mine.inputs[:, 7:8, 0], mine.inputs[:, 7:8, 1])
+    left = caches[1]
+    unshare_cache([left])
+    mx.eval(left.state)
+    before = mx.get_active_memory()
+    del big, caches  # the batch goes; the cache that left stays
+    assert before - mx.get_active_memory() >= 30 * 2 ** 20
+    assert float(mine.pending[0][0, 0, 0]) == 1.0 and mine.pending[1].shape == (1, 1, 256)
+
+
 def test_positions_past_the_maximum_are_refused(prompt):
     model = _model("ced")
     cache = model.make_cache()

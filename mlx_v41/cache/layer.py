@@ -402,8 +402,9 @@ def _put_flat(pool: mx.array, members: np.ndarray, counts: np.ndarray,
 
 def unshare_cache(cache: list) -> None:
     """Give every layer its own rings and rows again (a sequence leaving a batch): one gather
-    per array that is a row of the batch's stacked arrays, so the finished cache keeps only
-    its own (its compressed rows cut to its own GROW_STEP pages)."""
+    per array that is a row of the batch's stacked arrays, and of its open compressor group
+    (a view of the batch's rows), so the finished cache keeps only its own (its compressed
+    rows cut to its own GROW_STEP pages)."""
     for c in cache:
         unshare(c.window, "rows")
         kv = c.compressed
@@ -412,6 +413,8 @@ def unshare_cache(cache: list) -> None:
             pages = -(-max(kv.count, 1) // GROW_STEP) * GROW_STEP
             unshare(kv, "kv", pages)
             unshare(kv, "index_k", pages)
+            if kv.pending is not None:  # a view of the batch's rows or input rings: copied
+                kv.pending = tuple(mx.take(p, mx.array([0]), axis=0) for p in kv.pending)
 
 
 def cache_bytes(cache: list) -> dict:

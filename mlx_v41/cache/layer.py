@@ -225,7 +225,9 @@ class LayerCache:
 
     @property
     def batch(self) -> Optional[int]:
-        """Rows of the batch this cache holds (None while empty)."""
+        """Rows of the batch this cache holds (None while empty; 1 as a row of a batch's)."""
+        if is_shared(self.window, "rows"):
+            return 1
         return self.window.rows.shape[0] if self.window.allocated else None
 
     def is_trimmable(self) -> bool:
@@ -353,12 +355,12 @@ def trim_cache(cache: list, n: int) -> int:
 
 def stacked_packed(stores: list, name: str, width: int) -> mx.array:
     """The stores' packed rows (`name`: "kv" or "index_k", `width` bytes each) [G, T, width],
-    T >= every count: the array they share (no launch), or their rows stacked, padded with
-    zeros to the longest (one concatenation and one gather). Rows past a store's count are
-    not its own."""
-    if any(is_shared(s, name) for s in stores) and all(is_held(s, name) for s in stores):
+    T >= every count: the array they share when they are its rows in order (no launch), else
+    their arrays stacked, padded with zeros to the largest (one concatenation and one gather;
+    a store without rows has none). Rows past a store's count are not its own."""
+    if all(is_held(s, name) for s in stores):
         return stacked(stores, name, padded=True)
-    return stack_padded([getattr(s, name)[:, :s.count] if s.count
+    return stack_padded([getattr(s, name) if is_held(s, name)
                          else mx.zeros((1, 0, width), mx.uint8) for s in stores])
 
 
@@ -370,21 +372,11 @@ def append_stacked(stores: list, members: list, kv: mx.array, ik: mx.array) -> N
     counts = np.asarray([stores[g].count for g in members])
     needed = max(s.count for s in stores) + n
     for name, rows in (("kv", kv), ("index_k", ik)):
-        pool = _grow(_pool(stores, name, rows.shape[-1]), needed, len(stores), rows.shape[-1],
-                     mx.uint8)
+        pool = _grow(stacked_packed(stores, name, rows.shape[-1]), needed, len(stores),
+                     rows.shape[-1], mx.uint8)
         share(stores, name, _put_flat(pool, np.asarray(members), counts, rows))
     for g in members:
         stores[g].count += n
-
-
-def _pool(stores: list, name: str, width: int) -> Optional[mx.array]:
-    """The stores' whole arrays (not only their counts) stacked, padded to the largest."""
-    if not any(is_held(s, name) for s in stores):
-        return None
-    if all(is_held(s, name) for s in stores):
-        return stacked(stores, name, padded=True)
-    return stack_padded([getattr(s, name) if is_held(s, name)
-                         else mx.zeros((1, 0, width), mx.uint8) for s in stores])
 
 
 def _put_flat(pool: mx.array, members: np.ndarray, counts: np.ndarray,

@@ -241,8 +241,8 @@ def _restore(i: int, c: LayerCache, meta: dict, arrays: dict, path: Path) -> Non
 
 
 def copy_cache(cache: list) -> list:
-    """An independent copy sharing the (immutable) MLX arrays: cheap snapshots for chat. A ring
-    that is a row of a batch's stacked rings is copied out, so the copy keeps only its own."""
+    """An independent copy sharing the (immutable) MLX arrays: cheap snapshots for chat. Rings
+    and rows that are rows of a batch's arrays are copied out, so the copy keeps only its own."""
     copied = [_copy_layer(c) for c in cache]
     unshare_cache(copied)
     return copied

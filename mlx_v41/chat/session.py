@@ -64,7 +64,7 @@ def assistant_message(text: str, thinking: bool, is_finished: bool) -> dict:
     """The transcript entry for a generated reply (reasoning, answer, tool calls)."""
     try:
         parsed = parse_completion(text + (cf.EOS if is_finished else ""),
-                                     "thinking" if thinking else "chat")
+                                  "thinking" if thinking else "chat")
         reasoning, content = parsed["reasoning_content"], parsed["content"]
         calls = parsed["tool_calls"]
     except ValueError:  # a reply the parser rejects (e.g. special tokens inside): keep it raw

@@ -218,8 +218,9 @@ class Attention(nn.Module):
     def _selection_padded(self, x, qr, qr_fp8, each: "_Split", states: list,
                           ctx: BatchState) -> tuple:
         """(packed rows [G, T, bytes], selection [G, n, K]) of every stacked sequence for the
-        sparse-attention kernel: each sequence's owner rows padded to the longest (once per
-        owner and call), its picks padded with -1 to the widest. The kernel walks a row's
+        sparse-attention kernel: the owner's rows of every sequence as they are kept stacked
+        (T >= each count; once per owner and call), each sequence's picks padded with -1 to
+        the widest. The kernel walks a row's
         window entries, then its picks in order, in blocks of 64, and an empty entry adds
         exactly nothing to its running max, sum and accumulator, so each row gets the bits of
         its own call; the ops cannot pad (their sums run over every key): `_selected_groups`."""
@@ -233,16 +234,24 @@ class Attention(nn.Module):
         key = ("padded", role.kv_owner, source, ids)
         if key not in ctx.selected:
             stores = [state.shared[role.kv_owner].store for state in states]
-            owner = ("packed", role.kv_owner, ids)
-            if owner not in ctx.selected:  # kept stacked from the last step where it can
-                ctx.selected[owner] = stacked_packed(stores, "kv", width)
-            selections = self._stacked_rows(x, qr, qr_fp8, each, states, ctx)
             picks = ctx.selected.get(("picks", source, ids))  # select_stacked's, -1 padded
             if picks is None:
-                picks = stack_padded([p if store.count else mx.zeros((1, length, 0), mx.int32)
-                                      for p, store in zip(selections, stores)], -1, axis=2)
-            ctx.selected[key] = (ctx.selected[owner], picks)
+                selections = self._stacked_rows(x, qr, qr_fp8, each, states, ctx)
+                picks = ctx.selected.get(("picks", source, ids))
+                if picks is None:  # selected one by one
+                    picks = stack_padded([p if store.count else mx.zeros((1, length, 0),
+                                                                         mx.int32)
+                                          for p, store in zip(selections, stores)], -1, axis=2)
+            ctx.selected[key] = (self._owner_rows(stores, ctx, ids), picks)
         return ctx.selected[key]
+
+    def _owner_rows(self, stores: list, ctx: BatchState, ids: tuple) -> mx.array:
+        """The kv owner's packed rows of the stacked sequences [G, T, bytes], once per call
+        (kept stacked from the step before where they can be, `stacked_packed`)."""
+        owner = ("packed", self.role.kv_owner, ids)
+        if owner not in ctx.selected:
+            ctx.selected[owner] = stacked_packed(stores, "kv", packed_row_bytes(self.head_dim))
+        return ctx.selected[owner]
 
     def _compress_stacked(self, x: mx.array, states: list) -> None:
         """`compress` of each stacked sequence: the compressor over all of them at once
@@ -284,13 +293,9 @@ class Attention(nn.Module):
             groups: dict = {}
             for g, (store, picks) in enumerate(zip(stores, rows)):
                 groups.setdefault(picks.shape[-1] if store.count else 0, []).append(g)
-            owner = ("packed", role.kv_owner, key[2])
-            if owner not in ctx.selected and set(groups) != {0}:
-                ctx.selected[owner] = stacked_packed(stores, "kv",
-                                                     packed_row_bytes(self.head_dim))
             ctx.selected[key] = [(members, None if width == 0 else gather_selected(
-                ctx.selected[owner], stack([rows[g] for g in members]), members))
-                for width, members in groups.items()]  # one gather per width
+                self._owner_rows(stores, ctx, key[2]), stack([rows[g] for g in members]),
+                members)) for width, members in groups.items()]  # one gather per width
         return ctx.selected[key]
 
     def _stacked_rows(self, x, qr, qr_fp8, each: "_Split", states: list,
@@ -416,10 +421,6 @@ class Attention(nn.Module):
 # only where all of them run their ops, `runs_ops`).
 STACKED_OPS = (NORM, ACT_FP8, WINDOW_ROWS, SWA_RING_UPDATE, ROPE_PRODUCTS, SPARSE_ATTENTION,
                FP4_PACK, INDEX_QUERIES)
-
-
-
-
 
 
 class _Split:

@@ -24,7 +24,7 @@ from ..numerics.quant import unpack_fp4_e8m0
 
 
 def select_stacked(indexer, rope, x, qr, qr_fp8, packed_keys: mx.array, counts: list,
-                   starts: tuple, ratio: int, topk: int, pool: Optional[Pool] = None) -> list:
+                   starts: tuple, ratio: int, topk: int, pool: Optional[Pool] = None) -> tuple:
     """`select_rows` of G sequences: query rows x [G, n, D] (low-rank queries qr, their
     act_fp8 qr_fp8) from positions starts[g] on, against the first counts[g] > 0 rows of
     packed_keys[g] ([G, max(counts), bytes]; the rows after them score -inf, never picked).

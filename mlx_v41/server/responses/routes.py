@@ -143,7 +143,6 @@ class _Turn:
                            param="input", hint=": use /v1/completions", continue_final=False)
 
 
-
 def _body(config, body: ResponsesRequest, tools: list, settings: Settings) -> dict:
     """The response object before its output: the request's settings echoed."""
     text = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text \

@@ -354,6 +354,36 @@ def test_settings_are_checked(loaded):
         batch_forward(model, mx.array([[1], [2]]), [cache])
 
 
+def test_random_keys_draw_as_seeded_runs_without_reading_back_each_draw():
+    """Interleaved streams each draw what a run seeded alone draws; the key a draw leaves is
+    kept as an array (read at the stream's next draw, not at once, which would wait for the
+    step in flight)."""
+    def alone(seed, draws):
+        mx.random.seed(seed)
+        return [mx.random.uniform(shape=(2,)).tolist() for _ in range(draws)]
+
+    first, second = RandomKey(3), RandomKey(2 ** 64 - 5)
+    got = {3: [], 2 ** 64 - 5: []}
+    for key, seed in [(first, 3), (second, 2 ** 64 - 5), (first, 3), (first, 3),
+                      (second, 2 ** 64 - 5)]:
+        with key.active():
+            drawn = mx.random.uniform(shape=(2,))
+        assert key._left is not None  # not read back on leaving
+        got[seed].append(drawn.tolist())
+    with second.active():
+        pass  # a greedy sample draws nothing: the key stays
+    assert got[3] == alone(3, 3) and got[2 ** 64 - 5] == alone(2 ** 64 - 5, 2)
+
+    mx.random.seed(3)
+    for _ in range(3):
+        mx.random.uniform(shape=(2,))
+    high, low = mx.random.state[0].tolist()
+    assert first.seed == (high << 32) | low  # the key three draws left, as a seed
+    first.seed = 3  # restoring (an interrupted DSpark cycle) drops the kept key
+    with first.active():
+        assert mx.random.uniform(shape=(2,)).tolist() == alone(3, 1)[0]
+
+
 @pytest.mark.parametrize("mode", [slow("full"), "ced_replay"])
 @pytest.mark.slow
 def test_other_prefill_modes(mode):

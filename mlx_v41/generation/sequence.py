@@ -60,12 +60,30 @@ class Response:
 class RandomKey:
     """A sequence's own random stream: sampling with it draws exactly what a batch-1 run
     seeded with `seed` draws (the global key is set to this stream's before each sample and
-    read back after)."""
+    taken back after).
+
+    The key a draw leaves is kept as an array and started at once (`mx.async_eval`), not
+    read back: it is queued behind the step in flight, so reading it then would wait for
+    that step. It is read when the stream draws again (or `seed` is asked), by which time
+    the step it was queued behind has ended."""
 
     def __init__(self, seed: int):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {seed!r}")
-        self.seed = seed
+        self._seed = seed
+        self._left: Optional[mx.array] = None  # the key the last draw left, not yet read
+
+    @property
+    def seed(self) -> int:
+        """The stream's current key as the seed that restores it."""
+        if self._left is not None:
+            high, low = self._left.tolist()
+            self._seed, self._left = (high << 32) | low, None
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._seed, self._left = value, None
 
     @contextmanager
     def active(self):
@@ -73,8 +91,8 @@ class RandomKey:
         try:
             yield
         finally:
-            high, low = mx.random.state[0].tolist()
-            self.seed = (high << 32) | low
+            self._left = mx.random.state[0]
+            mx.async_eval(self._left)
 
 
 def random_stream(key: Optional[RandomKey]):

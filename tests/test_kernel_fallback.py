@@ -13,6 +13,7 @@ from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.act_fp8 import act_fp8_ops
 from mlx_v41.kernels.fp4_pack import FP4_PACK, fp4_pack_ops
 from mlx_v41.kernels.index_queries import index_queries_ops
+from mlx_v41.kernels.moe_order import moe_order_ops
 from mlx_v41.numerics.mhc import mhc_expand_ops, mhc_ops
 from mlx_v41.kernels.norm import norm_ops
 from mlx_v41.kernels.rope_products import rope_products_ops
@@ -36,7 +37,8 @@ OPS = {"v41_fp4_pack": ("fp4_pack", fp4_pack_ops),
        "v41_index_queries": ("index_queries", index_queries_ops),
        "v41_router": ("router", router_ops),
        "v41_swiglu_act_fp8": ("swiglu_act_fp8", swiglu_act_fp8_ops),
-       "v41_act_fp8": ("act_fp8", act_fp8_ops)}
+       "v41_act_fp8": ("act_fp8", act_fp8_ops),
+       "v41_moe_order": ("moe_order", moe_order_ops)}
 
 
 def _build(factory):

@@ -84,7 +84,7 @@ def test_every_metal_path_kernel_through_the_simulator(goldens, tiny_model):
     kernels, fields = counted_simulated_kernels(calls)
     simulated = tiny_model(kernels)
     reference = tiny_model(Kernels(use=False))
-    ids = goldens("tiny").prompt[None, :12].astype(mx.int32)
+    ids = goldens("tiny").prompt[None, :32].astype(mx.int32)  # 64 (token, expert) pairs: sorted
     cs, cr = simulated.make_cache(), reference.make_cache()
     assert mx.array_equal(simulated.prefill(ids, cs, last_only=False),
                           reference.prefill(ids, cr, last_only=False)).item()

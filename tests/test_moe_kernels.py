@@ -16,6 +16,10 @@ against their ops, and the MoE's fused routed sum + combine against today's form
   block's scale (2^-3 of the block's amax) and at most 1 in 10^3 values differing at all
   (measured: none of 10^6 random values differ; only exp's last bit, MLX's CPU exp against the
   simulator's libm one, could move a bf16 rounding).
+* moe_order (metal/moe_order.metal): the pairs in expert order for the sorted expert gather,
+  one launch instead of the ops' six; a permutation, so the ops' bits (rows, ids, weights and
+  places), ties in pair order as MLX's stable argsort leaves them; and the tiny model with it
+  on a prompt long enough to sort (40 tokens x top 2 >= 64 pairs), bit for bit.
 * the routed sum + combine as one compiled kernel (a chain of adds over the experts): the bits
   of `mx.sum` and `_add_shared` on the CPU, so it runs on every path.
 * the tiny golden model with both kernels: its logits within 0.05 of the ops' over 8 prompt
@@ -33,6 +37,7 @@ import pytest
 
 from mlx_v41.kernels import Kernels
 from mlx_v41.kernels.context import using
+from mlx_v41.kernels.moe_order import MAX_PAIRS, MOE_ORDER, moe_order, moe_order_ops
 from mlx_v41.kernels.router import ROUTER, by_id, router, router_logits, router_ops, select_ops
 from mlx_v41.kernels.swiglu import SWIGLU_ACT_FP8, swiglu_act_fp8, swiglu_act_fp8_ops
 from mlx_v41.model.layers import round_act_fp8
@@ -55,6 +60,11 @@ def _router_run():
 @functools.cache
 def _swiglu_run():
     return SWIGLU_ACT_FP8.build(checked)
+
+
+@functools.cache
+def _moe_order_run():
+    return MOE_ORDER.build(checked)
 
 
 def _router_case(seed: int, tokens: int, dim: int, experts: int):
@@ -229,6 +239,53 @@ def test_swiglu_act_fp8_dispatcher():
     assert len(calls) == 1 and calls[0][2:] == (None, 7.0)
 
 
+def _pairs(seed: int, tokens: int, top_k: int, experts: int, dim: int, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    return (mx.array(ids.reshape(-1).astype(np.uint32)),
+            mx.array(rng.uniform(0, 2, tokens * top_k).astype(np.float32)).astype(dtype),
+            mx.array(rng.standard_normal((tokens, dim)).astype(np.float32)).astype(dtype))
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,dim,dtype", [
+    (32, 6, 384, 64, mx.float32),     # a batched decode step: few ties
+    (40, 6, 7, 96, mx.float32),       # ties everywhere: equal experts keep pair order
+    (11, 6, 6, 32, mx.bfloat16),      # every token picks every expert; bf16 rows
+    (1, 1, 3, 8, mx.float32),         # one pair
+    (300, 2, 8, 160, mx.float32)])    # a prefill piece of the tiny model's shape
+def test_moe_order_kernel_matches_ops(tokens, top_k, experts, dim, dtype):
+    ids, weights, x = _pairs(tokens + experts, tokens, top_k, experts, dim, dtype)
+    got = _moe_order_run()(ids, weights, x, top_k)
+    want = moe_order_ops(ids, weights, x, top_k)
+    for name, a, b in zip(("rows", "ids", "weights", "place"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert mx.array_equal(a, b).item(), name
+    rows, sorted_ids, _, place = got  # what the MoE relies on, not only equality with the ops
+    assert (np.diff(np.array(sorted_ids).astype(np.int64)) >= 0).all()
+    assert mx.array_equal(sorted_ids[place], ids).item()
+    assert mx.array_equal(rows[place], mx.repeat(x, top_k, axis=0)).item()
+
+
+def test_moe_order_dispatcher():
+    """Off Metal the ops; a built kernel for 1 to MAX_PAIRS pairs, the ops beyond; arguments
+    that do not fit are named."""
+    ids, weights, x = _pairs(2, 20, 4, 16, 32)
+    got = moe_order(ids, weights, x, 4)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, moe_order_ops(ids, weights, x, 4)))
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return moe_order_ops(*args)
+
+    moe_order(ids, weights, x, 4, run=counted)
+    many = _pairs(3, MAX_PAIRS // 2 + 1, 2, 16, 8)
+    moe_order(*many, 2, run=counted)
+    assert calls == [80]
+    with pytest.raises(ValueError, match=r"moe_order: ids \(80,\) .* 3 experts .* \(20, 32\)"):
+        moe_order(ids, weights, x, 3)
+
+
 _ONES = returning(lambda outputs: [mx.zeros_like(out) + 1 for out in outputs], name="ones")
 
 
@@ -236,7 +293,8 @@ _ONES = returning(lambda outputs: [mx.zeros_like(out) + 1 for out in outputs], n
                                             (_ONES, "KernelMismatch")])
 @pytest.mark.parametrize("build,name,ops", [
     (ROUTER.build_checked, "v41_router", router_ops),
-    (SWIGLU_ACT_FP8.build_checked, "v41_swiglu_act_fp8", swiglu_act_fp8_ops)])
+    (SWIGLU_ACT_FP8.build_checked, "v41_swiglu_act_fp8", swiglu_act_fp8_ops),
+    (MOE_ORDER.build_checked, "v41_moe_order", moe_order_ops)])
 def test_a_failing_kernel_warns_once_and_runs_its_ops(build, name, ops, factory, reason):
     run, messages = warnings_of(build, factory)
     assert run is ops
@@ -287,6 +345,26 @@ def test_model_with_the_kernels_matches_the_ops(tiny_model, goldens):
     layers = len(model.model.layers)
     # Per layer and call: one router, two SwiGLUs (routed, shared); 3 calls (8 rows, 1, 1).
     assert calls == {"router": 3 * layers, "swiglu": 6 * layers}, (calls, layers)
+
+
+def test_model_with_the_moe_order_kernel_keeps_the_bits(tiny_model, goldens):
+    """A prompt of 40 tokens sorts its 80 (token, expert) pairs in every MoE: through the
+    kernel, the reference's logits bit for bit, one launch per MoE."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return run(*args)
+
+    run = MOE_ORDER.build(sim)
+    ids = goldens("tiny").prompt[None, :40].astype(mx.int32)
+    assert ids.shape[1] == 40
+    model = tiny_model(Kernels(moe_order=counted))
+    reference = tiny_model(Kernels(use=False))
+    got, want = model(ids, cache=model.make_cache()), reference(ids,
+                                                                 cache=reference.make_cache())
+    assert mx.array_equal(got, want).item()
+    assert calls == [80] * len(model.model.layers), calls
 
 
 def test_model_on_the_kernels_ops_keeps_the_bits(tiny_model, goldens):

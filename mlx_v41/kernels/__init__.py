@@ -14,6 +14,7 @@ from .context import using  # noqa: F401 - the package's API
 from .fp4_pack import FP4_PACK
 from .index_queries import INDEX_QUERIES
 from .mhc import MHC, MHC_EXPAND
+from .moe_order import MOE_ORDER
 from .norm import NORM
 from .rope_products import ROPE_PRODUCTS
 from .router import ROUTER
@@ -25,8 +26,8 @@ from .window_rows import WINDOW_ROWS
 
 # Every kernel's spec: the bit-exact ones, then those within a stated tolerance of their ops.
 SPECS: tuple[KernelSpec, ...] = (FP4_PACK, SPARSE_ATTENTION, SWA_RING_UPDATE, ACT_FP8,
-                                 WINDOW_ROWS, MHC, NORM, ROUTER, SWIGLU_ACT_FP8, ROPE_PRODUCTS,
-                                 INDEX_QUERIES, MHC_EXPAND)
+                                 WINDOW_ROWS, MOE_ORDER, MHC, NORM, ROUTER, SWIGLU_ACT_FP8,
+                                 ROPE_PRODUCTS, INDEX_QUERIES, MHC_EXPAND)
 
 @dataclass
 class Kernels:
@@ -36,6 +37,7 @@ class Kernels:
     swa_ring_update: Optional[Callable] = None
     mhc: Optional[Callable] = None
     act_fp8: Optional[Callable] = None
+    moe_order: Optional[Callable] = None  # moe_order.py: the MoE's pairs in expert order
     # Fused kernels of the Metal path, within a stated tolerance of their ops:
     norm: Optional[Callable] = None            # norm.py: [collapse ->] RMSNorm [-> RoPE, act_fp8]
     router: Optional[Callable] = None          # router.py: MoE gate scores -> top-k ids, weights

@@ -5,7 +5,8 @@ positions choose their experts with `bias_vl` instead of `bias`.
 Routed weights multiply the SwiGLU activation before `w2` (reference order, which also decides
 what `w2`'s FP8 input rounding sees). On the Metal path the router's selection after its
 matmul and each expert's SwiGLU + act_fp8 are one fused kernel each (kernels/router.py,
-kernels/swiglu.py); the routed sum and the shared expert's add are one compiled kernel on
+kernels/swiglu.py), and so is the sort of the (token, expert) pairs by expert for the sorted
+gather (kernels/moe_order.py); the routed sum and the shared expert's add are one compiled kernel on
 every path.
 """
 
@@ -18,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..numerics.mhc import along, chain_sum
+from ..kernels.moe_order import moe_order
 from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
 from ..kernels.swiglu import swiglu, swiglu_act_fp8
 from .layers import QuantLinear, allocate_quantized, batch_rows, round_act_fp8
@@ -119,15 +121,13 @@ def expert_products(gate: SwitchLinear, up: SwitchLinear, down: SwitchLinear, li
         act = down_input(gate.matmul(rows, ids), up.matmul(rows, ids),
                          weights[..., None, None], limit)
         return down.matmul(act, ids).squeeze(-2)
-    flat_ids = ids.reshape(-1)
-    order = mx.argsort(flat_ids)
-    inverse = mx.argsort(order)
-    rows = mx.expand_dims(x, -2)[order // k]          # [T*k, 1, D] grouped by expert
-    sorted_ids = flat_ids[order]
+    rows, sorted_ids, sorted_weights, place = moe_order(ids.reshape(-1), weights.reshape(-1),
+                                                         x, k)
+    rows = rows[:, None, :]                             # [T*k, 1, D] grouped by expert
     act = down_input(gate.matmul(rows, sorted_ids, True), up.matmul(rows, sorted_ids, True),
-                     weights.reshape(-1)[order][:, None, None], limit)
+                     sorted_weights[:, None, None], limit)
     out = down.matmul(act, sorted_ids, True)
-    return out[inverse].reshape(tokens, k, -1)          # [T, k, D] fp32 products
+    return out[place].reshape(tokens, k, -1)            # [T, k, D] fp32 products
 
 
 class SharedExpert(nn.Module):

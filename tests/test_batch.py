@@ -233,6 +233,53 @@ def test_rings_stay_stacked_between_steps(loaded, monkeypatch):
         assert out[uid] == alone(model, tokenizer, text, max_tokens=n), uid
 
 
+def test_engram_histories_stay_stacked_between_steps(loaded, monkeypatch):
+    """Once the decoding sequences keep as many Engram ids as each other (ENGRAM_KEPT: 16 here,
+    512 in use), a step hashes and extends the history array the step before kept, and each
+    sequence's history is a row of it; a sequence that leaves takes its own ids out; every
+    sequence emits what it emits alone."""
+    import mlx_v41.cache.layer as layer
+    import mlx_v41.model.engram as engram
+    monkeypatch.setattr(layer, "ENGRAM_KEPT", 16)
+    model, tokenizer = loaded
+    layers = model.cfg.engram_layer_ids
+    assert len(layers) == 2
+    shared, taken = [], []
+
+    def sharing(holders, name, array):
+        shared.append(array)
+        return share(holders, name, array)
+
+    def taking(holders, name):
+        out = stacked(holders, name)
+        taken.append(out)
+        return out
+
+    share, stacked = engram.share, engram.stacked
+    monkeypatch.setattr(engram, "share", sharing)
+    monkeypatch.setattr(engram, "stacked", taking)
+    texts, lengths = prompts([20, 33, 41], seed=12), [5, 9, 9]
+    generator = BatchGenerator(model, stop_tokens=(), prefill_step_size=64)
+    uids = generator.insert(texts, max_tokens=lengths)
+    out, caches, rows = {}, {}, 0
+    while len(generator):
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+        if len(generator.decoding) > 1:
+            rows += all(is_shared(s.cache[i], "engram_ids") for s in generator.decoding
+                        for i in layers)
+    reused = sum(any(array is made for made in shared) for array in taken)
+    assert len(taken) >= 6 and reused >= len(taken) - 2, (len(taken), reused)  # 2 restacks
+    assert rows >= 5 and len(shared) == 2 * len(taken)
+    for cache in caches.values():
+        assert not any(is_shared(cache[i], "engram_ids") for i in layers)
+        assert all(cache[i].engram_ids.shape == (1, 16) for i in layers)
+    for uid, text, n in zip(uids, texts, lengths):
+        assert out[uid] == alone(model, tokenizer, text, max_tokens=n), uid
+
+
 @pytest.mark.slow
 def test_long_prefill_does_not_stall_decoding(loaded):
     """A long prompt is read one chunk per step while the others decode; a short prompt that

@@ -214,6 +214,8 @@ class LayerCache:
     worth. `trim_budget` is the rollback the whole model cache allows (set by `commit`, the same
     in every layer), so per-layer trims by mlx-lm's helpers stay consistent."""
 
+    engram_ids = Stackable()  # a row of the batch's histories while they stay stacked
+
     def __init__(self, window: int, ratio: int = 0, owns_kv: bool = False,
                  has_engram: bool = False):
         self.offset = 0
@@ -399,6 +401,8 @@ def unshare_cache(cache: list) -> None:
     rows cut to its own GROW_STEP pages)."""
     for c in cache:
         unshare(c.window, "rows")
+        if isinstance(c.engram_ids, mx.array):  # a row of the batch's, or a trim's slice of it
+            c.engram_ids = mx.take(c.engram_ids, mx.array([0]), axis=0)
         kv = c.compressed
         if kv is not None:
             unshare(kv, "inputs")

@@ -13,7 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..cache.layer import ENGRAM_KEPT
+from ..cache import layer as cache_layer
+from ..cache.stacked import row_shape, share, stacked
 from .layers import QuantLinear
 from .stacked import split_rows
 from ..numerics.quant import e4m3_to_float, e8m0_to_float
@@ -176,7 +177,7 @@ def engram_rows(hasher, layers: list, ids: mx.array, cache: list,
 def _keep_history(cache: list, layers: list, seen: mx.array, compressed: mx.array) -> None:
     """The chunk's compressed ids join the history of every Engram layer. Only the recent ids
     are kept: a full history would be copied on every token."""
-    kept = mx.concatenate([seen, compressed], axis=1)[:, -ENGRAM_KEPT:]
+    kept = mx.concatenate([seen, compressed], axis=1)[:, -cache_layer.ENGRAM_KEPT:]
     for layer in layers:
         cache[layer].engram_ids = kept
 
@@ -185,18 +186,37 @@ def engram_rows_stacked(hasher, layers: list, ids: mx.array,
                         caches: list) -> Optional[mx.array]:
     """`engram_rows` of B sequences (row b of `ids` [B, S] continues `caches[b]`) in one hash:
     a row's hash reads only the last `history_length` ids before it, so where every sequence
-    has that many their tails are stacked; otherwise sequence by sequence."""
+    has that many their tails are stacked; otherwise sequence by sequence. Where their
+    histories are as long as each other (every one at ENGRAM_KEPT ids, a decode batch past
+    that many tokens) they are kept as rows of one array, which the next step takes as it is
+    (`cache.stacked`): one concatenation per step, not one per sequence."""
     if not layers or hasher is None or len(caches) == 1:
         return _rows_one_by_one(hasher, layers, ids, caches)
     depth = hasher.history_length
-    seen = [cache[layers[0]].engram_ids for cache in caches]
-    if depth == 0 or any(s.shape[0] != 1 or s.shape[1] < depth for s in seen):
+    holders = [cache[layers[0]] for cache in caches]
+    lengths = {row_shape(h, "engram_ids") for h in holders}
+    if depth == 0 or any(s.shape[0] != 1 or s.shape[1] < depth for s in
+                         (h.engram_ids for h in holders)):
         return _rows_one_by_one(hasher, layers, ids, caches)
-    seen = [s if isinstance(s, mx.array) else mx.array(s) for s in seen]
+    if len(lengths) == 1:  # one length: the histories stack, and stay stacked
+        seen = stacked([_as_array(h) for h in holders], "engram_ids")
+        rows, compressed = hasher.hash_lazy(ids, seen[:, -depth:])
+        kept = mx.concatenate([seen, compressed], axis=1)[:, -cache_layer.ENGRAM_KEPT:]
+        for layer in layers:
+            share([cache[layer] for cache in caches], "engram_ids", kept)
+        return rows
+    seen = [mx.array(h.engram_ids) for h in holders]
     rows, compressed = hasher.hash_lazy(ids, mx.concatenate([s[:, -depth:] for s in seen]))
     for cache, history, new in zip(caches, seen, split_rows(compressed)):
         _keep_history(cache, layers, history, new)
     return rows
+
+
+def _as_array(holder):
+    """The holder, its Engram history an `mx.array` (a loaded or fresh cache holds numpy)."""
+    if isinstance(holder.engram_ids, np.ndarray):
+        holder.engram_ids = mx.array(holder.engram_ids)
+    return holder
 
 
 def _rows_one_by_one(hasher, layers: list, ids: mx.array, caches: list) -> Optional[mx.array]:

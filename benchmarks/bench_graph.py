@@ -26,7 +26,8 @@ layers. The graph nodes with the views are printed too: on MLX's CPU backend eve
 included, costs a few microseconds of scheduling.
 
 With --batch B...: launches of one batched decode step (`batch_forward`, the second of two) at
-each B, on the Metal path (the counting factory's kernels) and the ops path, for B sequences
+each B, on the Metal path (the counting factory's kernels), the ops path and the CPU default
+("host": the ops, a few tokens' Sinkhorn in NumPy, as above), for B sequences
 whose windows are full (lengths from the window to --prompt) and for a mix with windows still
 filling (lengths from 1).
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import sys
@@ -159,9 +161,10 @@ def batch_launches(folder: Path, path: str, sizes: list, lengths: list, rng) -> 
         step = [mlx_v41.copy_cache(c) for c in caches[:b]]
         ids = mx.array(rng.integers(3, VOCAB, (b, 1)), dtype=mx.int32)
         mx.eval(batch_forward(model, ids, step).logits, [cache_arrays(c) for c in step])
-        logits = batch_forward(model, ids, step).logits
-        out[b] = sum(launches(graph_counts([logits, *[a for c in step
-                                                          for a in cache_arrays(c)]])).values())
+        with LazyHostSinkhorn() if path == "host" else contextlib.nullcontext():
+            logits = batch_forward(model, ids, step).logits
+            graph = graph_counts([logits, *[a for c in step for a in cache_arrays(c)]])
+        out[b] = sum(launches(graph).values())
     return out
 
 
@@ -210,7 +213,7 @@ def main() -> None:
             from mlx_v41.model.attention import Attention
 
             Attention.stack_on_ops_only = args.stack_on_ops_only
-            paths = ("metal",) if args.stack_on_ops_only else ("metal", "ops")
+            paths = ("metal",) if args.stack_on_ops_only else ("metal", "ops", "host")
             return batch_table(Path(tmp), args.batch, args.window, args.prompt, paths)
         print(f"one decode step after {args.prompt} prompt tokens, {layers} layers, "
               f"mlx {mx.__version__}")

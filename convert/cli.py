@@ -4,26 +4,25 @@ mlx-lm's flag names. Bad input ends with one line on stderr and exit status 1.""
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from mlx_v41.model.config import ConfigError
 from mlx_v41.errors import CheckpointError
+from mlx_v41.sizes import parse_size as parse_bytes
 
 from .pipeline import DEFAULT_SHARD_SIZE, convert
 from .recipes import DTYPES, MODE_DEFAULTS, PRESETS
 from .source import ConvertError
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '512MiB' -> 512 * 2^20, '4096' -> 4096 bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)\s*", text)
-    if not m or m.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB)")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    """Bytes from a size (`mlx_v41.sizes`: "5GB", "512MiB", "4096"), at least one."""
+    try:
+        size = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard size (at least one byte)")
+    return size
 
 
 class ArgumentParser(argparse.ArgumentParser):

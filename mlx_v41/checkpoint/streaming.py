@@ -10,13 +10,13 @@ in bytes (an int, or a string with a unit: "48GB", "512MB", "40GiB"), which stre
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import mlx.core as mx
 
 from ..errors import CheckpointError
+from ..sizes import EXAMPLES, parse_size
 from ..model.expert_policy import DEFAULT_POLICY
 from ..model.expert_reader import DEFAULT_THREADS, FileReader, Region
 from ..model.expert_store import ExpertStore, Layout, check_regions, detach_experts
@@ -25,24 +25,23 @@ from ..model.memory import human_bytes as _h, measure_weights, session_bytes
 AUTO, RESIDENT = "auto", "resident"
 KV_RESERVE_FRACTION = 0.10   # auto: share of the working set kept for caches and activations
 KV_RESERVE_TOKENS = 131072   # auto: and at least one session of this many tokens
-UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-         "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-         "tib": 2**40}
 DTYPES = {"U32": mx.uint32, "U8": mx.uint8, "BF16": mx.bfloat16, "F16": mx.float16,
           "F32": mx.float32}
 
 
 def parse_memory_size(value: Union[int, str]) -> int:
-    """Bytes from an int or "48GB", "512MB", "40GiB", "1e9" (decimal units as mlx-lm's,
-    binary with "i"); a ValueError naming `expert_memory` otherwise."""
+    """Bytes from an int or a size such as "48GB", "40GiB" or "1e9" (`mlx_v41.sizes`); a
+    ValueError naming `expert_memory` otherwise."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in UNITS or float(m.group(1)) * UNITS[unit] < 1:
-        raise ValueError(f"expert_memory: {value!r} is not a memory size (e.g. 48GB, 512MB, "
-                         "an integer number of bytes), 'auto' or 'resident'")
-    return int(float(m.group(1)) * UNITS[unit])
+    try:
+        size = parse_size(value) if isinstance(value, str) else 0
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"expert_memory: {value!r} is not a memory size ({EXAMPLES}), "
+                         "'auto' or 'resident'")
+    return size
 
 
 def working_set() -> int:

@@ -26,6 +26,7 @@ from ..checkpoint.source import DEMO
 from ..checkpoint.streaming import (AUTO, KV_RESERVE_FRACTION, KV_RESERVE_TOKENS, ExpertPlan,
                                     plan_experts)
 from ..errors import CheckpointError
+from ..sizes import parse_size
 from ..model.config import ConfigError, ModelArgs, TextConfig, official_config_path
 from ..model.memory import (RECIPES, RecipeBytes, fixed_cache_bytes,  # noqa: F401 (API)
                             global_bytes_per_token, human_bytes, kv_row_bytes, recipe_bytes,
@@ -52,14 +53,16 @@ def parse_count(text: str) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """'512GB' -> 512e9, '192GiB' -> 192 * 2^30, '1TB' -> 1e12."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB])\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 512GB, 192GiB)")
-    unit = m.group(2).lower()
-    power = "kmgt".index(unit[0]) + 1
-    base = 1024 if "i" in unit else 1000
-    return int(float(m.group(1)) * base ** power)
+    """Bytes from a size with its unit (`mlx_v41.sizes`: "512GB", "192GiB", "1TB"): a
+    machine's memory or bandwidth as a bare number ("128") is taken for a mistake."""
+    try:
+        size = parse_size(text) if re.search(r"[A-Za-z]\s*$", text) else 0
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (with its unit, e.g. "
+                                         "512GB, 192GiB)")
+    return size
 
 
 def parse_rate(text: str) -> int:

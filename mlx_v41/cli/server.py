@@ -17,15 +17,14 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import math
 import os
-import re
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Optional
 
+from .. import sizes
 from .args import ArgumentParser, _number, add_model_arguments, load_options, report_experts
 from ..distributed.cli import add_distributed_arguments, distributed_loader
 from ..server.auth import KEY_ENV, read_keys
@@ -40,21 +39,14 @@ DEFAULT_MAX_CONCURRENT = 64
 DEFAULT_DECODE_CONCURRENCY, DEFAULT_PROMPT_CONCURRENCY = 32, 8  # mlx-lm's server defaults
 SHUTDOWN_GRACE_SECONDS = 4  # after a drain, connections get this long to close
 POLL_SECONDS = 0.2
-SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "KIB": 2**10, "MIB": 2**20,
-              "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "4G", "512MiB", "1e9" or "0" (decimal units as mlx-lm's; binary with "i")."""
-    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
+    """Bytes from a size (`mlx_v41.sizes`: "4G", "512MiB", "1e9"), 0 included."""
     try:
-        value = float(match.group(1)) * SIZE_UNITS[unit] if match else -1
-    except (ValueError, KeyError):
-        value = -1
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4G, 512MiB, 0)")
-    return int(value)
+        return sizes.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def writable_folder(text: str) -> str:

@@ -4,6 +4,7 @@
 // [P], place [P] (each pair's place in that order: the inverse permutation). The order is the
 // stable one (equal experts keep pair order), MLX's argsort's. One threadgroup per pair (a
 // multiple of 32 threads): its threads count the pairs that go before it, then copy its row.
+threadgroup uint counts[32];  // one per simdgroup
 uint pair = threadgroup_position_in_grid.x;
 uint t = thread_position_in_threadgroup.x;
 uint n = threads_per_threadgroup.x;
@@ -16,7 +17,6 @@ for (uint q = t; q < pairs; q += n) {
   before += (other < mine || (other == mine && q < pair)) ? 1u : 0u;
 }
 before = simd_sum(before);
-threadgroup uint counts[32];
 if (thread_index_in_simdgroup == 0) {
   counts[simdgroup_index_in_threadgroup] = before;
 }

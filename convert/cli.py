@@ -8,7 +8,7 @@ import sys
 
 from mlx_v41.model.config import ConfigError
 from mlx_v41.errors import CheckpointError
-from mlx_v41 import sizes
+from mlx_v41.sizes import parse_size as size_in_bytes
 
 from .pipeline import DEFAULT_SHARD_SIZE, convert
 from .recipes import DTYPES, MODE_DEFAULTS, PRESETS
@@ -17,7 +17,7 @@ from .source import ConvertError
 def parse_size(text: str) -> int:
     """Bytes from a size (`mlx_v41.sizes`: "5GB", "512MiB", "4096"), at least one."""
     try:
-        size = sizes.parse_size(text)
+        size = size_in_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if size < 1:

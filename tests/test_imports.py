@@ -16,8 +16,8 @@ CONVERTER = ROOT.parent / "convert"  # the package mlx_v41.convert, by pyproject
 # layers before it. The `__main__` modules and the top-level command modules
 # (`python -m mlx_v41.generate`, ...) are command entry points (the cli layer);
 # `mlx_v41/__init__.py` is the public API on top of everything.
-STACK = ("errors", "numerics", "kernels", "cache", "model", "generation", "chat", "checkpoint",
-         "convert", "distributed", "server", "cli")
+STACK = ("errors", "sizes", "numerics", "kernels", "cache", "model", "generation", "chat",
+         "checkpoint", "convert", "distributed", "server", "cli")
 ENTRY_POINTS = {"mlx_v41.__main__", *(f"mlx_v41.{command}" for command in
                                       ("generate", "perplexity", "compare", "inspect", "demo"))}
 

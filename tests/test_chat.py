@@ -499,6 +499,31 @@ def test_repl_in_a_terminal_survives_ctrl_c():
     assert "Traceback" not in log[0]
 
 
+def test_a_ctrl_c_wakes_the_wait_for_input_until_it_ends(monkeypatch):
+    """A wake-up that lands before readline has entered its select wakes nothing (readline
+    prints the prompt first), so a SIGINT's wake-ups go on every WAKE_SECONDS until the wait
+    ends, and stop then. Here the SIGINT's handler does not raise, so the wait goes on."""
+    import signal
+
+    import mlx_v41.cli.chat_input as chat_input
+
+    woken = []
+    monkeypatch.setattr(chat_input, "_wake", lambda *_: woken.append(time.monotonic()))
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        with chat_input.interrupts_reach_input():
+            tic = time.monotonic()
+            signal.raise_signal(signal.SIGINT)
+            while time.monotonic() - tic < 0.6:
+                time.sleep(0.05)
+        count = len(woken)
+        time.sleep(0.3)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert count >= 3, woken  # about one per 0.1 s
+    assert len(woken) == count  # none once the wait has ended
+
+
 def test_a_ctrl_c_taken_by_another_thread_still_stops_the_wait_for_input():
     """SIGINT delivered to a thread other than the main one (as the kernel may pick one of
     MLX's): the main thread, blocked in a read as readline's select is, still gets its

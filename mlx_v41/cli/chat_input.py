@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 SIGNAL_POLL_SECONDS = 0.2  # how long a wait for input may hide a Ctrl-C
+WAKE_SECONDS, WAKES = 0.1, 30  # a Ctrl-C's wake-ups of the wait for input: every 0.1 s, 3 s
 BLOCK = '"""'  # opens and closes a multi-line message
 PROMPT, CONTINUATION_PROMPT = ">> ", ".. "
 HISTORY_LENGTH = 1000  # entries a history file keeps
@@ -86,7 +87,9 @@ def interrupts_reach_input():
     sleeps on. A watcher thread sees every signal on the wakeup fd and, for a SIGINT, sends
     SIGUSR1 (a no-op handler) to the main thread, whose interrupted select then runs the
     pending handlers: KeyboardInterrupt. (A SIGINT that reached the main thread itself already
-    did; the extra SIGUSR1 changes nothing.)"""
+    did; the extra SIGUSR1 changes nothing.) It sends SIGUSR1 again every WAKE_SECONDS, up to
+    WAKES times, until the wait ends: one that lands before readline has entered its select
+    (the prompt is printed first) wakes nothing, and the select would sleep on."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -97,10 +100,14 @@ def interrupts_reach_input():
     main, done = threading.main_thread().ident, threading.Event()
 
     def watch():
+        wakes = 0  # SIGUSR1s still to send for the last SIGINT
         while not done.is_set():
-            if select.select([read_end], [], [], 0.1)[0] and \
-                    signal.SIGINT in os.read(read_end, 64) and not done.is_set():
+            if select.select([read_end], [], [], WAKE_SECONDS)[0] and \
+                    signal.SIGINT in os.read(read_end, 64):
+                wakes = WAKES
+            if wakes and not done.is_set():
                 signal.pthread_kill(main, signal.SIGUSR1)
+                wakes -= 1
 
     watcher = threading.Thread(target=watch, name="mlx_v41-ctrl-c", daemon=True)
     watcher.start()

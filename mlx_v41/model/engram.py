@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import layer as cache_layer
-from ..cache.stacked import row_shape, share, stacked
+from ..cache.stacked import share, stacked
 from .layers import QuantLinear
 from .stacked import split_rows
 from ..numerics.quant import e4m3_to_float, e8m0_to_float
@@ -194,18 +194,17 @@ def engram_rows_stacked(hasher, layers: list, ids: mx.array,
         return _rows_one_by_one(hasher, layers, ids, caches)
     depth = hasher.history_length
     holders = [cache[layers[0]] for cache in caches]
-    lengths = {row_shape(h, "engram_ids") for h in holders}
-    if depth == 0 or any(s.shape[0] != 1 or s.shape[1] < depth for s in
-                         (h.engram_ids for h in holders)):
+    seen = [h.engram_ids for h in holders]
+    if depth == 0 or any(s.shape[0] != 1 or s.shape[1] < depth for s in seen):
         return _rows_one_by_one(hasher, layers, ids, caches)
-    if len(lengths) == 1:  # one length: the histories stack, and stay stacked
-        seen = stacked([_as_array(h) for h in holders], "engram_ids")
-        rows, compressed = hasher.hash_lazy(ids, seen[:, -depth:])
-        kept = mx.concatenate([seen, compressed], axis=1)[:, -cache_layer.ENGRAM_KEPT:]
+    if len({s.shape[1] for s in seen}) == 1:  # one length: they stack, and stay stacked
+        history = stacked([_as_array(h) for h in holders], "engram_ids")
+        rows, compressed = hasher.hash_lazy(ids, history[:, -depth:])
+        kept = mx.concatenate([history, compressed], axis=1)[:, -cache_layer.ENGRAM_KEPT:]
         for layer in layers:
             share([cache[layer] for cache in caches], "engram_ids", kept)
         return rows
-    seen = [mx.array(h.engram_ids) for h in holders]
+    seen = [s if isinstance(s, mx.array) else mx.array(s) for s in seen]
     rows, compressed = hasher.hash_lazy(ids, mx.concatenate([s[:, -depth:] for s in seen]))
     for cache, history, new in zip(caches, seen, split_rows(compressed)):
         _keep_history(cache, layers, history, new)

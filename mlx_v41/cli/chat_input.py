@@ -12,6 +12,7 @@ import select
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,14 +101,18 @@ def interrupts_reach_input():
     main, done = threading.main_thread().ident, threading.Event()
 
     def watch():
-        wakes = 0  # SIGUSR1s still to send for the last SIGINT
+        # SIGUSR1s still to send for the last SIGINT, and when the next is due. The wake-ups
+        # land on the wakeup fd too, so the select returns at once after each: the pacing is
+        # by the clock, not by the select (else all WAKES go at once and merge into one).
+        wakes, due = 0, 0.0
         while not done.is_set():
-            if select.select([read_end], [], [], WAKE_SECONDS)[0] and \
+            timeout = max(0.0, due - time.monotonic()) if wakes else WAKE_SECONDS
+            if select.select([read_end], [], [], timeout)[0] and \
                     signal.SIGINT in os.read(read_end, 64):
-                wakes = WAKES
-            if wakes and not done.is_set():
+                wakes, due = WAKES, time.monotonic()
+            if wakes and time.monotonic() >= due and not done.is_set():
                 signal.pthread_kill(main, signal.SIGUSR1)
-                wakes -= 1
+                wakes, due = wakes - 1, time.monotonic() + WAKE_SECONDS
 
     watcher = threading.Thread(target=watch, name="mlx_v41-ctrl-c", daemon=True)
     watcher.start()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mlx_v41
-from conftest import golden_checkpoint, reference_ops, slow
+from conftest import golden_checkpoint, packed_state, reference_ops, slow
 from mlx_v41.cache.stacked import is_shared
 from mlx_v41.generation.batch import BatchGenerator
 from mlx_v41.generation.sequence import RandomKey
@@ -233,31 +233,33 @@ def test_rings_stay_stacked_between_steps(loaded, monkeypatch):
         assert out[uid] == alone(model, tokenizer, text, max_tokens=n), uid
 
 
-def test_engram_histories_stay_stacked_between_steps(loaded, monkeypatch):
-    """Once the decoding sequences keep as many Engram ids as each other (ENGRAM_KEPT: 16 here,
-    512 in use), a step hashes and extends the history array the step before kept, and each
-    sequence's history is a row of it; a sequence that leaves takes its own ids out; every
-    sequence emits what it emits alone."""
+@pytest.mark.parametrize("kept", [16, 512])
+def test_engram_histories_stay_stacked_between_steps(loaded, monkeypatch, kept):
+    """A step hashes and extends the history array the step before kept, and each sequence's
+    history is a row of it, whether the sequences keep as many Engram ids as each other
+    (ENGRAM_KEPT = 16: all past it) or not (512, as in use: each its own length, the rows
+    right-aligned); a sequence that leaves takes its own ids out, those of a batch-1 cache of
+    its tokens; every sequence emits what it emits alone."""
     import mlx_v41.cache.layer as layer
     import mlx_v41.model.engram as engram
-    monkeypatch.setattr(layer, "ENGRAM_KEPT", 16)
+    monkeypatch.setattr(layer, "ENGRAM_KEPT", kept)
     model, tokenizer = loaded
     layers = model.cfg.engram_layer_ids
     assert len(layers) == 2
     shared, taken = [], []
 
-    def sharing(holders, name, array):
+    def sharing(holders, name, array, lengths=None):
         shared.append(array)
-        return share(holders, name, array)
+        return share(holders, name, array, lengths)
 
     def taking(holders, name):
-        out = stacked(holders, name)
-        taken.append(out)
+        out = stacked_right(holders, name)
+        taken.append(out[0])
         return out
 
-    share, stacked = engram.share, engram.stacked
+    share, stacked_right = engram.share, engram.stacked_right
     monkeypatch.setattr(engram, "share", sharing)
-    monkeypatch.setattr(engram, "stacked", taking)
+    monkeypatch.setattr(engram, "stacked_right", taking)
     texts, lengths = prompts([20, 33, 41], seed=12), [5, 9, 9]
     generator = BatchGenerator(model, stop_tokens=(), prefill_step_size=64)
     uids = generator.insert(texts, max_tokens=lengths)
@@ -273,11 +275,16 @@ def test_engram_histories_stay_stacked_between_steps(loaded, monkeypatch):
     reused = sum(any(array is made for made in shared) for array in taken)
     assert len(taken) >= 6 and reused >= len(taken) - 2, (len(taken), reused)  # 2 restacks
     assert rows >= 5 and len(shared) == 2 * len(taken)
-    for cache in caches.values():
-        assert not any(is_shared(cache[i], "engram_ids") for i in layers)
-        assert all(cache[i].engram_ids.shape == (1, 16) for i in layers)
     for uid, text, n in zip(uids, texts, lengths):
         assert out[uid] == alone(model, tokenizer, text, max_tokens=n), uid
+        cache = caches[uid]
+        assert not any(is_shared(cache[i], "engram_ids") for i in layers)
+        single = model.make_cache()  # the prompt and every token the cache was fed
+        model.prefill(mx.array([text + out[uid]]), single, step_size=64)
+        assert single[0].offset == cache[0].offset
+        want = np.array(single[layers[0]].engram_ids)
+        assert want.shape == (1, min(kept, cache[0].offset))
+        assert all(np.array_equal(np.array(cache[i].engram_ids), want) for i in layers), uid
 
 
 @pytest.mark.slow
@@ -499,10 +506,12 @@ def test_metal_batch_difference_is_bounded():
 def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
     """Every sequence past its window (all attend stacked) and past the Engram n-gram
     history (one hash for all), at odd and even positions (open compressor group or not),
-    stepping one row and then two: each step's logits equal batch 1's."""
+    stepping one, two or three rows: each step's logits equal batch 1's. The open groups a
+    step leaves stay in the stacked input ring (a slot, nothing copied out), and each cache
+    then goes on alone with batch 1's logits and bytes."""
     model, _ = loaded
     texts = prompts([17, 18, 33, 40, 51])
-    blocks = [1, 2, 1, 1, 2, 1]
+    blocks = [1, 2, 1, 1, 3, 2, 1, 3, 1]
     follow = prompts([sum(blocks)] * len(texts), seed=2)
 
     def prefilled(ids):
@@ -521,6 +530,16 @@ def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
             assert np.array_equal(np.array(logits[b]), expected), (step, b)
         done += n
     assert [c[0].offset for c in caches] == [len(t) + done for t in texts]
+    owners = [c.compressed for cache in caches for c in cache
+              if c.compressed is not None and c.compressed.ratio == 2]
+    assert owners and {type(kv._pending) for kv in owners} == {int, type(None)}
+    last = prompts([1] * len(texts), seed=3)
+    for b, (cache, alone_cache) in enumerate(zip(caches, alone_caches)):
+        got = model(mx.array([last[b]]), cache=cache)
+        want = model(mx.array([last[b]]), cache=alone_cache)
+        assert np.array_equal(np.array(got), np.array(want)), b
+        for x, y in zip(packed_state(cache), packed_state(alone_cache), strict=True):
+            assert x.shape == y.shape and mx.array_equal(x, y).item(), b
 
 
 @pytest.mark.slow
@@ -575,11 +594,13 @@ def test_a_step_starts_the_next_tokens_before_it_reads_its_own(loaded, monkeypat
     assert calls[1:] == out[uids[2]][:len(calls) - 1]
 
 
-@pytest.mark.parametrize("axis, sizes, fill", [(1, [3, 0, 5, 1], 0), (2, [2, 5, 0], -1),
-                                               (2, [4, 4], False), (1, [0, 0], 0)])
-def test_stack_padded_pads_each_part_with_the_fill(axis, sizes, fill):
+@pytest.mark.parametrize("axis, sizes, fill, align", [
+    (1, [3, 0, 5, 1], 0, "left"), (2, [2, 5, 0], -1, "left"), (2, [4, 4], False, "left"),
+    (1, [0, 0], 0, "left"), (1, [3, 0, 5, 1], 7, "right"), (1, [2, 2], 0, "right")])
+def test_stack_padded_pads_each_part_with_the_fill(axis, sizes, fill, align):
     """`stack_padded` (the stacked path's padding: one concatenation and one gather) gives
-    each part's rows, then `fill`, as padding every part alone does."""
+    each part's rows, then `fill` (`align="right"`: `fill`, then the rows), as padding every
+    part alone does."""
     from mlx_v41.cache.stacked import stack_padded
 
     rng = np.random.default_rng(len(sizes))
@@ -591,9 +612,11 @@ def test_stack_padded_pads_each_part_with_the_fill(axis, sizes, fill):
     longest = max(sizes)
     want = np.full((len(sizes),) + ((longest, 3) if axis == 1 else (4, longest)), fill, dtype)
     for g, part in enumerate(parts):
-        if axis == 1:
+        if axis == 1 and align == "right":
+            want[g, longest - part.shape[1]:] = part[0]
+        elif axis == 1:
             want[g, :part.shape[1]] = part[0]
         else:
             want[g, :, :part.shape[2]] = part[0]
-    got = stack_padded([mx.array(p) for p in parts], fill, axis=axis)
+    got = stack_padded([mx.array(p) for p in parts], fill, axis=axis, align=align)
     assert got.shape == want.shape and np.array_equal(np.array(got), want)

@@ -259,10 +259,11 @@ def test_rows_shared_by_a_batch_read_as_their_own_and_copy_out():
     assert is_shared(caches[0].compressed, "kv")
 
 
-def test_a_cache_that_leaves_a_batch_keeps_none_of_its_arrays_alive():
+@pytest.mark.parametrize("open_group", ["view", "ring slot"])
+def test_a_cache_that_leaves_a_batch_keeps_none_of_its_arrays_alive(open_group):
     """After `unshare_cache` nothing of the cache views the batch's arrays, its open compressor
-    group included (a slice of the batch's rows, as a step or a rollback leaves it): the
-    batch's memory goes once the batch drops it."""
+    group included (a slice of the batch's rows, or the slot of the input ring that a batch
+    step or a rollback leaves): the batch's memory goes once the batch drops it."""
     from mlx_v41.cache.layer import LayerCache, unshare_cache
     from mlx_v41.cache.stacked import share
 
@@ -271,7 +272,10 @@ def test_a_cache_that_leaves_a_batch_keeps_none_of_its_arrays_alive():
     mx.eval(big)
     share([c.compressed for c in caches], "inputs", big)
     mine = caches[1].compressed
-    mine.pending = (mine.inputs[:, 7:8, 0], mine.inputs[:, 7:8, 1])
+    if open_group == "view":
+        mine.pending = (mine.inputs[:, 7:8, 0], mine.inputs[:, 7:8, 1])
+    else:
+        mine.open_at(7)
     left = caches[1]
     unshare_cache([left])
     mx.eval(left.state)

@@ -138,9 +138,27 @@ class CompressedKV:
         self.ratio = ratio
         self.count = 0
         self.kv = self.index_k = None
-        self.pending: Optional[tuple[mx.array, mx.array]] = None  # (k, score) [B, 1, d] fp32
+        self._pending = None  # `pending`: a tuple, or the slot of the input ring holding it
         self.history = history
         self.inputs = None
+
+    @property
+    def pending(self) -> Optional[tuple[mx.array, mx.array]]:
+        """The open group (k, score) [B, 1, d] fp32, or None. Where its token is the input
+        ring's row at a slot (after a batch step or a rewind, `open_at`), it is read from the
+        ring: a batch's open groups then stay in their stacked ring, copied out by no one."""
+        if isinstance(self._pending, int):
+            rows, slot = self.inputs, self._pending
+            return rows[:, slot:slot + 1, 0], rows[:, slot:slot + 1, 1]
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: Optional[tuple[mx.array, mx.array]]) -> None:
+        self._pending = value
+
+    def open_at(self, slot: int) -> None:
+        """The open group is the one token in the input ring's `slot`."""
+        self._pending = slot
 
     def append(self, kv_values: mx.array, index_values: mx.array) -> None:
         """Pack and store new rows (their values are already RoPE'd)."""
@@ -187,8 +205,7 @@ class CompressedKV:
         self.count = min(self.count, position // self.ratio)
         self.pending = None
         if self.ratio > 1 and position % self.ratio:
-            slot = (position - 1) % self.history
-            self.pending = (self.inputs[:, slot:slot + 1, 0], self.inputs[:, slot:slot + 1, 1])
+            self.open_at((position - 1) % self.history)
 
     @property
     def nbytes(self) -> int:
@@ -201,7 +218,8 @@ class CompressedKV:
     @property
     def fixed_nbytes(self) -> int:
         """Open group and input ring (bounded)."""
-        pending = sum(a.nbytes for a in self.pending) if self.pending else 0
+        pending = sum(a.nbytes for a in self._pending) if isinstance(self._pending, tuple) \
+            else 0  # a ring slot is counted with the ring
         return pending + (0 if self.inputs is None else self.inputs.nbytes)
 
 
@@ -409,8 +427,9 @@ def unshare_cache(cache: list) -> None:
             pages = -(-max(kv.count, 1) // GROW_STEP) * GROW_STEP
             unshare(kv, "kv", pages)
             unshare(kv, "index_k", pages)
-            if kv.pending is not None:  # a view of the batch's rows or input rings: copied
+            if isinstance(kv._pending, tuple):  # may be a view of the batch's rows: copied
                 kv.pending = tuple(mx.take(p, mx.array([0]), axis=0) for p in kv.pending)
+            # (a ring slot reads the ring unshared above)
 
 
 def cache_bytes(cache: list) -> dict:

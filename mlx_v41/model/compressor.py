@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..cache.layer import CompressedKV
 from ..cache.stacked import row_shape, share, stacked as stacked_rows
@@ -29,10 +30,11 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.kv_norm(self.kv_proj(x)), offset
         k, s = self.kv_proj(x), self.gate_proj(x)
+        pending = store.pending  # before the ring moves on (it may be a slot of the ring)
         store.remember_inputs(k, s, offset)
-        if store.pending is not None:
-            k = mx.concatenate([store.pending[0], k], axis=1)
-            s = mx.concatenate([store.pending[1], s], axis=1)
+        if pending is not None:
+            k = mx.concatenate([pending[0], k], axis=1)
+            s = mx.concatenate([pending[1], s], axis=1)
         first_group = offset // self.ratio
         groups = k.shape[1] // self.ratio
         tail = k.shape[1] - groups * self.ratio
@@ -46,26 +48,59 @@ class Compressor(nn.Module):
     def stacked(self, x: mx.array, stores: list, starts: tuple) -> list:
         """`__call__` of G sequences at once, x [G, S, D] (row g at position starts[g] of
         stores[g]): the projections over all rows, the input rings in one update, and the
-        groups pooled together for the sequences with as long an open group (same shapes)
+        groups pooled together for the sequences that complete as many groups
         -> [(members, latents [M, groups, d] bf16, first group index of each member)]."""
         if self.ratio == 1:
             return [(list(range(len(stores))), self.kv_norm(self.kv_proj(x)), list(starts))]
         k, s = self.kv_proj(x), self.gate_proj(x)
-        _remember_stacked(stores, k, s, starts)
+        opened = [store.pending for store in stores]  # before the rings move on
+        if _remember_stacked(stores, k, s, starts) and self.ratio == 2 \
+                and k.shape[1] < stores[0].history:
+            return self._pool_ring(stores, starts, k.shape[1])
         phases: dict = {}
-        for g, store in enumerate(stores):
-            phases.setdefault(0 if store.pending is None else store.pending[0].shape[1],
-                              []).append(g)
-        return [self._pool_phase(members, take_rows(k, members), take_rows(s, members), stores,
-                                 starts)
+        for g, pending in enumerate(opened):
+            phases.setdefault(0 if pending is None else pending[0].shape[1], []).append(g)
+        return [self._pool_phase(members, take_rows(k, members), take_rows(s, members),
+                                 [opened[g] for g in members], stores, starts)
                 for members in phases.values()]
 
-    def _pool_phase(self, members: list, k: mx.array, s: mx.array, stores: list,
-                    starts: tuple) -> tuple:
-        """The groups of `members` (each with an open group of the same length)."""
-        if stores[members[0]].pending is not None:
-            k = mx.concatenate([stack([stores[g].pending[0] for g in members]), k], axis=1)
-            s = mx.concatenate([stack([stores[g].pending[1] for g in members]), s], axis=1)
+    def _pool_ring(self, stores: list, starts: tuple, length: int) -> list:
+        """`stacked`'s pooling where the stores share one input ring that holds every token
+        of the groups the step completes, the open ones included (ratio 2, fewer new rows than
+        the ring): one gather of each sequence's groups from the ring and one pooling for
+        all, where the open groups would be stacked and split again every step. The open
+        group a step leaves stays in the ring (`open_at`)."""
+        history, batch = stores[0].history, len(stores)
+        start = np.asarray(starts)
+        first = start - start % 2  # each sequence's first position of a group it completes
+        counts = (start % 2 + length) // 2  # the groups each completes
+        for store, end in zip(stores, start + length):
+            store.pending = None
+            if end % 2:
+                store.open_at(int(end - 1) % history)
+        most = int(counts.max())
+        if most == 0:
+            return []
+        slots = (first[:, None] + np.arange(2 * most)) % history  # past a short one's end:
+        rows = mx.take_along_axis(  # rows it leaves out below
+            stacked_rows(stores, "inputs"),
+            mx.array(slots.astype(np.int32)).reshape(batch, 2 * most, 1, 1), axis=1)
+        rows = rows.reshape(batch, most, 2, 2, rows.shape[-1])  # [G, groups, token, (k, s), d]
+        latents = mx.sum(mx.softmax(rows[..., 1, :], axis=2) * rows[..., 0, :], axis=2)
+        latents = self.kv_norm(latents.astype(mx.bfloat16))
+        made = []
+        for n in sorted(set(counts.tolist()) - {0}, reverse=True):
+            members = [g for g in range(batch) if counts[g] == n]
+            made.append((members, take_rows(latents, members)[:, :n],
+                         [int(first[g]) // 2 for g in members]))
+        return made
+
+    def _pool_phase(self, members: list, k: mx.array, s: mx.array, opened: list,
+                    stores: list, starts: tuple) -> tuple:
+        """The groups of `members` (each with an open group of the same length, `opened`)."""
+        if opened[0] is not None:
+            k = mx.concatenate([stack([pending[0] for pending in opened]), k], axis=1)
+            s = mx.concatenate([stack([pending[1] for pending in opened]), s], axis=1)
         groups = k.shape[1] // self.ratio
         tail = k.shape[1] - groups * self.ratio
         opened = zip(split_rows(k[:, -tail:]), split_rows(s[:, -tail:])) if tail \
@@ -80,17 +115,19 @@ class Compressor(nn.Module):
         return members, self.kv_norm(latents.astype(mx.bfloat16)), firsts
 
 
-def _remember_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> None:
+def _remember_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> bool:
     """`remember_inputs` of every store: one update of the stacked rings where all hold a
-    ring of the same shape with room for the rows, else one by one."""
+    ring of the same shape with room for the rows (True: they share it now), else one by
+    one."""
     batch, length = k.shape[:2]
     history = stores[0].history
     shapes = {(store.history, row_shape(store, "inputs")) for store in stores}
     if not history or length > history or len(shapes) > 1 or (history, None) in shapes:
         for g, store in enumerate(stores):
             store.remember_inputs(k[g:g + 1], s[g:g + 1], starts[g])
-        return
+        return False
     slots = (mx.array(starts)[:, None] + mx.arange(length)) % history
     rows = mx.put_along_axis(stacked_rows(stores, "inputs"), slots.reshape(batch, length, 1, 1),
                              mx.stack([k, s], axis=2), axis=1)
     share(stores, "inputs", rows)  # the next step finds them stacked
+    return True

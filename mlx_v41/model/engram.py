@@ -14,9 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import layer as cache_layer
-from ..cache.stacked import share, stacked
+from ..cache.stacked import share, stacked_right
 from .layers import QuantLinear
-from .stacked import split_rows
 from ..numerics.quant import e4m3_to_float, e8m0_to_float
 from ..errors import CheckpointError
 
@@ -186,10 +185,10 @@ def engram_rows_stacked(hasher, layers: list, ids: mx.array,
                         caches: list) -> Optional[mx.array]:
     """`engram_rows` of B sequences (row b of `ids` [B, S] continues `caches[b]`) in one hash:
     a row's hash reads only the last `history_length` ids before it, so where every sequence
-    has that many their tails are stacked; otherwise sequence by sequence. Where their
-    histories are as long as each other (every one at ENGRAM_KEPT ids, a decode batch past
-    that many tokens) they are kept as rows of one array, which the next step takes as it is
-    (`cache.stacked`): one concatenation per step, not one per sequence."""
+    has that many their histories are stacked, right-aligned (`stacked_right`); otherwise
+    sequence by sequence. The histories are kept as rows of one array, each its own length,
+    which the next step takes as it is (`cache.stacked`): one concatenation per step, not one
+    per sequence."""
     if not layers or hasher is None or len(caches) == 1:
         return _rows_one_by_one(hasher, layers, ids, caches)
     depth = hasher.history_length
@@ -197,17 +196,12 @@ def engram_rows_stacked(hasher, layers: list, ids: mx.array,
     seen = [h.engram_ids for h in holders]
     if depth == 0 or any(s.shape[0] != 1 or s.shape[1] < depth for s in seen):
         return _rows_one_by_one(hasher, layers, ids, caches)
-    if len({s.shape[1] for s in seen}) == 1:  # one length: they stack, and stay stacked
-        history = stacked([_as_array(h) for h in holders], "engram_ids")
-        rows, compressed = hasher.hash_lazy(ids, history[:, -depth:])
-        kept = mx.concatenate([history, compressed], axis=1)[:, -cache_layer.ENGRAM_KEPT:]
-        for layer in layers:
-            share([cache[layer] for cache in caches], "engram_ids", kept)
-        return rows
-    seen = [s if isinstance(s, mx.array) else mx.array(s) for s in seen]
-    rows, compressed = hasher.hash_lazy(ids, mx.concatenate([s[:, -depth:] for s in seen]))
-    for cache, history, new in zip(caches, seen, split_rows(compressed)):
-        _keep_history(cache, layers, history, new)
+    history, lengths = stacked_right([_as_array(h) for h in holders], "engram_ids")
+    rows, compressed = hasher.hash_lazy(ids, history[:, -depth:])
+    kept = mx.concatenate([history, compressed], axis=1)[:, -cache_layer.ENGRAM_KEPT:]
+    lengths = [min(n + compressed.shape[1], kept.shape[1]) for n in lengths]
+    for layer in layers:
+        share([cache[layer] for cache in caches], "engram_ids", kept, lengths)
     return rows
 
 

@@ -533,6 +533,8 @@ def test_stacked_compressor_and_engram_at_mixed_phases(loaded):
     owners = [c.compressed for cache in caches for c in cache
               if c.compressed is not None and c.compressed.ratio == 2]
     assert owners and {type(kv._pending) for kv in owners} == {int, type(None)}
+    for cache, alone_cache in zip(caches, alone_caches):  # an open group in a slot counts too
+        assert mlx_v41.cache_bytes(cache) == mlx_v41.cache_bytes(alone_cache)
     last = prompts([1] * len(texts), seed=3)
     for b, (cache, alone_cache) in enumerate(zip(caches, alone_caches)):
         got = model(mx.array([last[b]]), cache=cache)

@@ -218,8 +218,9 @@ class CompressedKV:
     @property
     def fixed_nbytes(self) -> int:
         """Open group and input ring (bounded)."""
-        pending = sum(a.nbytes for a in self._pending) if isinstance(self._pending, tuple) \
-            else 0  # a ring slot is counted with the ring
+        pending = 0 if self._pending is None else sum(a.nbytes for a in self._pending) \
+            if isinstance(self._pending, tuple) else self.inputs.nbytes // self.history
+        # (held in a ring slot or not, an open group counts as one: the same bytes as alone)
         return pending + (0 if self.inputs is None else self.inputs.nbytes)
 
 

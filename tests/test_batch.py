@@ -279,6 +279,7 @@ def test_engram_histories_stay_stacked_between_steps(loaded, monkeypatch, kept):
         assert out[uid] == alone(model, tokenizer, text, max_tokens=n), uid
         cache = caches[uid]
         assert not any(is_shared(cache[i], "engram_ids") for i in layers)
+        assert cache[layers[0]].engram_ids is cache[layers[1]].engram_ids  # one copy out
         single = model.make_cache()  # the prompt and every token the cache was fed
         model.prefill(mx.array([text + out[uid]]), single, step_size=64)
         assert single[0].offset == cache[0].offset

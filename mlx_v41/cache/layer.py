@@ -23,7 +23,8 @@ from ..kernels.fp4_pack import fp4_pack
 from ..kernels.swa_ring import swa_ring_update
 from ..kernels.window_rows import recent_rows, window_rows
 from ..numerics.quant import unpack_fp8_e8m0
-from .stacked import Stackable, is_held, is_shared, share, stack_padded, stacked, unshare
+from .stacked import (Stackable, holding, is_held, is_shared, share, stack_padded, stacked,
+                      unshare)
 
 GROW_STEP = 256  # rows added when a compressed cache fills
 ENGRAM_KEPT = 512  # Engram ids kept: > the most a trim can undo (one ring) + the n-gram history
@@ -417,11 +418,16 @@ def unshare_cache(cache: list) -> None:
     """Give every layer its own rings and rows again (a sequence leaving a batch): one gather
     per array that is a row of the batch's stacked arrays, and of its open compressor group
     (a view of the batch's rows), so the finished cache keeps only its own (its compressed
-    rows cut to its own GROW_STEP pages)."""
+    rows cut to its own GROW_STEP pages). Layers that hold the same Engram history get the
+    same copy."""
+    copies: dict = {}  # Engram histories copied, by what they held (the holders stay alive)
     for c in cache:
         unshare(c.window, "rows")
         if isinstance(c.engram_ids, mx.array):  # a row of the batch's, or a trim's slice of it
-            c.engram_ids = mx.take(c.engram_ids, mx.array([0]), axis=0)
+            key = holding(c, "engram_ids")
+            if key not in copies:
+                copies[key] = mx.take(c.engram_ids, mx.array([0]), axis=0)
+            c.engram_ids = copies[key]
         kv = c.compressed
         if kv is not None:
             unshare(kv, "inputs")

@@ -56,6 +56,17 @@ def is_shared(holder, name: str) -> bool:
     return holder.__dict__.get(_field(holder, name).shared) is not None
 
 
+def holding(holder, name: str) -> Optional[tuple]:
+    """What the attribute holds, as a key equal for holders of the same array (the same row
+    of the same shared array, or the same own array); None while it holds nothing."""
+    field = _field(holder, name)
+    shared = holder.__dict__.get(field.shared)
+    if shared is not None:
+        return id(shared[0]), shared[1], shared[2]
+    own = holder.__dict__.get(field.own)
+    return None if own is None else (id(own),)
+
+
 def row_shape(holder, name: str) -> Optional[tuple]:
     """The attribute's shape after the batch axis (None while it holds nothing)."""
     field = _field(holder, name)

@@ -219,10 +219,11 @@ class CompressedKV:
     @property
     def fixed_nbytes(self) -> int:
         """Open group and input ring (bounded)."""
-        pending = 0 if self._pending is None else sum(a.nbytes for a in self._pending) \
-            if isinstance(self._pending, tuple) else self.inputs.nbytes // self.history
-        # (held in a ring slot or not, an open group counts as one: the same bytes as alone)
-        return pending + (0 if self.inputs is None else self.inputs.nbytes)
+        ring = 0 if self.inputs is None else self.inputs.nbytes
+        if isinstance(self._pending, tuple):
+            return ring + sum(a.nbytes for a in self._pending)
+        # an open group in a ring slot counts as one too: the bytes the same cache has alone
+        return ring + (0 if self._pending is None else ring // self.history)
 
 
 class LayerCache:

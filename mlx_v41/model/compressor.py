@@ -53,10 +53,17 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return [(list(range(len(stores))), self.kv_norm(self.kv_proj(x)), list(starts))]
         k, s = self.kv_proj(x), self.gate_proj(x)
+        length = k.shape[1]
+        stacks = _rings_stack(stores, length)
+        if stacks and self.ratio == 2 and length < stores[0].history:  # + the open group
+            _put_stacked(stores, k, s, starts)
+            return self._pool_ring(stores, starts, length)
         opened = [store.pending for store in stores]  # before the rings move on
-        if _remember_stacked(stores, k, s, starts) and self.ratio == 2 \
-                and k.shape[1] < stores[0].history:
-            return self._pool_ring(stores, starts, k.shape[1])
+        if stacks:
+            _put_stacked(stores, k, s, starts)
+        else:
+            for g, store in enumerate(stores):
+                store.remember_inputs(k[g:g + 1], s[g:g + 1], starts[g])
         phases: dict = {}
         for g, pending in enumerate(opened):
             phases.setdefault(0 if pending is None else pending[0].shape[1], []).append(g)
@@ -115,19 +122,20 @@ class Compressor(nn.Module):
         return members, self.kv_norm(latents.astype(mx.bfloat16)), firsts
 
 
-def _remember_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> bool:
-    """`remember_inputs` of every store: one update of the stacked rings where all hold a
-    ring of the same shape with room for the rows (True: they share it now), else one by
-    one."""
-    batch, length = k.shape[:2]
+def _rings_stack(stores: list, rows: int) -> bool:
+    """Whether the stores' input rings stack: all of one shape, each with room for `rows`."""
     history = stores[0].history
     shapes = {(store.history, row_shape(store, "inputs")) for store in stores}
-    if not history or length > history or len(shapes) > 1 or (history, None) in shapes:
-        for g, store in enumerate(stores):
-            store.remember_inputs(k[g:g + 1], s[g:g + 1], starts[g])
-        return False
+    return bool(history) and rows <= history and len(shapes) == 1 and \
+        (history, None) not in shapes
+
+
+def _put_stacked(stores: list, k: mx.array, s: mx.array, starts: tuple) -> None:
+    """`remember_inputs` of every store in one update of their stacked rings (`_rings_stack`),
+    which they share from then on."""
+    batch, length = k.shape[:2]
+    history = stores[0].history
     slots = (mx.array(starts)[:, None] + mx.arange(length)) % history
     rows = mx.put_along_axis(stacked_rows(stores, "inputs"), slots.reshape(batch, length, 1, 1),
                              mx.stack([k, s], axis=2), axis=1)
     share(stores, "inputs", rows)  # the next step finds them stacked
-    return True

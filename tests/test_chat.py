@@ -561,3 +561,27 @@ def test_a_ctrl_c_taken_by_another_thread_still_stops_the_wait_for_input():
         helper.join()
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_line_reader_times_out_and_keeps_what_came():
+    """Rank 0's wait for its user under a group (`IdleWait` ticks the others between
+    timeouts): a timeout raises TimeoutError without losing a partial line."""
+    from mlx_v41.cli.chat_input import LineReader
+
+    r, w = os.pipe()
+    try:
+        reader = LineReader(r)
+        os.write(w, b"hal")
+        tic = time.monotonic()
+        with pytest.raises(TimeoutError):
+            reader.readline(timeout=0.05)
+        assert time.monotonic() - tic < 2
+        os.write(w, b"f\nrest")
+        assert reader.readline(timeout=1.0) == "half"
+        with pytest.raises(TimeoutError):
+            reader.readline(timeout=0.0)
+        os.close(w)
+        assert reader.readline(timeout=1.0) == "rest"
+        assert reader.readline() is None
+    finally:
+        os.close(r)

@@ -400,6 +400,9 @@ def test_chat_over_a_pipeline_equals_one_process_and_ctrl_c_ends_every_rank(
         refusals = [ln for ln in chat.err.splitlines() if "error: " in ln]
         assert refusals == [f"error: {tmp_path}/missing.png: cannot read the image file (No "
                             "such file or directory)"]
+        if sys.platform.startswith("linux"):  # reads /proc
+            # while rank 0 waits for its user, rank 1 sleeps (not polling MLX's ring socket)
+            assert _cpu_seconds_over(_rank_pid(chat.proc.pid, 1), 3.0) < 0.6
         start = len(chat.err)
         chat.send(["word " * 300])  # ~300 tokens: ten chunks of 32
         chat.read_until(lambda c: "prefill " in c.err[start:])
@@ -477,6 +480,18 @@ def _rank_pid(launcher: int, rank: int) -> int:
         if f"MLX_RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
             return int(child)
     raise AssertionError(f"no rank {rank} under the launcher")
+
+
+def _cpu_seconds_over(pid: int, seconds: float) -> float:
+    """The CPU seconds (user and system, all threads) process `pid` uses in the next `seconds`
+    (Linux: read from /proc)."""
+    def used() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = used()
+    time.sleep(seconds)
+    return used() - before
 
 
 def _wait_for_health(server: Launched, port: int) -> None:
@@ -627,6 +642,9 @@ def test_server_prompt_reuse_over_a_pipeline_equals_one_process(tmp_path):
             assert (got["choices"], got["usage"]) == (want["choices"], want["usage"])
             server.read_until(_logged(k + 1))
         assert _reuse_lines(server.err) == {0: cached, 1: cached}
+        # Between requests rank 1 sleeps: inside MLX's ring collective it would poll its
+        # socket for the whole wait (2.2 CPU seconds in these 3 s, measured; 0.11 asleep).
+        assert _cpu_seconds_over(_rank_pid(server.proc.pid, 1), 3.0) < 0.6
         # a streamed reply whose client goes away after its first event
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/v1/chat/completions",

@@ -33,10 +33,17 @@ class LineReader:
     def __init__(self, fd: int):
         self.fd, self.pending = fd, b""
 
-    def readline(self) -> Optional[str]:
-        """The next line without its newline; None at the end of input."""
+    def readline(self, timeout: Optional[float] = None) -> Optional[str]:
+        """The next line without its newline; None at the end of input. With `timeout`:
+        TimeoutError when no whole line came in that many seconds (what came is kept)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.pending:
-            if not select.select([self.fd], [], [], SIGNAL_POLL_SECONDS)[0]:
+            wait = SIGNAL_POLL_SECONDS
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError
+            if not select.select([self.fd], [], [], wait)[0]:
                 continue
             chunk = os.read(self.fd, 4096)
             if not chunk:  # end of input (Ctrl-D on an empty terminal line)
@@ -48,11 +55,12 @@ class LineReader:
 
 
 def stream_readline(stream) -> Callable[[], Optional[str]]:
-    """A readline() for `stream`: a LineReader on its descriptor, or its own readline()."""
+    """A readline(timeout=None) for `stream`: a LineReader on its descriptor, or its own
+    readline() (which does not time out)."""
     try:
         return LineReader(stream.fileno()).readline
     except (AttributeError, OSError, ValueError):  # e.g. io.StringIO in tests
-        def readline():
+        def readline(timeout: Optional[float] = None):
             line = stream.readline()
             return line.removesuffix("\n") if line else None
         return readline

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
-from ...distributed.lines import share_line
+from ...distributed.lines import IdleWait, share_line
 from ...distributed.link import DistributedError
 from ...distributed.prompt import followed_prompt, leading_prompt, span_grids
 from ...generation.api import wired_limit
@@ -34,6 +34,7 @@ class RankEngine(Engine):
         super().__init__(model, tokenizer, store, **options)
         self.link = self.group.link  # the model's `RankGroup`
         self.label = f"rank {self.link.rank}: "
+        self.idle = IdleWait(self.link)  # between requests the other ranks sleep
 
     def _reuse(self, job: Job):
         return job.reuse
@@ -71,6 +72,9 @@ class GroupEngine(RankEngine):
                                "hold the logits)", param="logprobs")
         return super().submit(prompt, settings)
 
+    def _next_job(self):
+        return self.idle.wait(lambda timeout: self._queue.get(timeout=timeout))
+
     def _run(self, job: Job) -> Finish:
         self._has_run = True
         job.reuse = self.store.choose(job.prompt.ids, job.prompt.records())
@@ -105,7 +109,7 @@ class Follower(RankEngine):
         """Load the persisted prompt caches with rank 0, then run its requests until it
         stops (writing new cache files with it after each)."""
         self.store.load_folder()
-        while (line := share_line(self.link, None)) is not None:
+        while (line := self.idle.line()) is not None:
             record = json.loads(line)
             self.draft = record["draft"]  # rank 0's: every rank runs the same decoding loop
             job = FollowerJob(record, self.group, self.tokenizer)

@@ -260,9 +260,13 @@ class Engine:
 
     def _work(self) -> None:
         self._load_store()
-        while (job := self._queue.get()) is not None:
+        while (job := self._next_job()) is not None:
             self._serve(job)
         self._end_worker()
+
+    def _next_job(self) -> Optional[Job]:
+        """The next queued job (None: the engine closes), waiting as long as it takes."""
+        return self._queue.get()
 
     def _load_store(self) -> None:
         """The worker's first step: load the persisted prompt caches, then let `start`

@@ -683,6 +683,44 @@ def test_server_prompt_reuse_over_a_pipeline_equals_one_process(tmp_path):
         server.kill()
 
 
+@pytest.mark.slow
+def test_a_rank_lost_between_requests_fails_the_next_request(tmp_path):
+    """A group server without a launcher (which would end rank 0 too): rank 1 killed while
+    the server waits for work. Rank 0 notices at its next idle tick, logs it, and goes on
+    serving: the next request gets the lost rank as its error, at once (were the tick to end
+    rank 0's worker, it would never be answered)."""
+    import signal
+
+    from server_harness import post
+
+    port = _free_ports(1)[0]
+    procs = by_hand(tmp_path, "-m", "mlx_v41.server", "--model", golden_checkpoint("tiny"),
+                    "--port", port, "--pipeline", "--log-level", "WARNING")
+    try:
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert procs[0].poll() is None and time.monotonic() < deadline
+            try:
+                status, got = post(port, "/v1/chat/completions", body, timeout=30)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        time.sleep(1.0)  # ticks every 100 ms at most: one has failed by now
+        status, got = post(port, "/v1/chat/completions", body, timeout=30)
+        assert status == 500 and "lost rank 1" in got["error"]["message"], (status, got)
+        assert procs[0].poll() is None
+    finally:
+        for proc in procs:
+            proc.kill()
+    err = procs[0].communicate()[1]
+    assert "ERROR rank 0: lost rank 1 while sharing an input line" in err, err
+
+
 DSPARK_WORKER = Path(__file__).with_name("dspark_ranks_worker.py")
 
 

@@ -65,6 +65,7 @@ class GroupEngine(RankEngine):
         super().__init__(model, tokenizer, store, **options)
         self.is_pipeline = self.group.is_pipeline
         self._has_run = False  # a request ran since the last write of new cache files
+        self._lost = False  # a tick between requests lost a rank: wait without ticking
 
     def submit(self, prompt, settings: Settings) -> Job:
         if settings.logprobs is not None and self.is_pipeline:
@@ -73,7 +74,14 @@ class GroupEngine(RankEngine):
         return super().submit(prompt, settings)
 
     def _next_job(self):
-        return self.idle.wait(lambda timeout: self._queue.get(timeout=timeout))
+        if self._lost:
+            return super()._next_job()
+        try:
+            return self.idle.wait(lambda timeout: self._queue.get(timeout=timeout))
+        except DistributedError as e:  # a rank was lost between requests: from here each
+            log.error("%s", e)         # request fails alone, as one that lost it would
+            self._lost = True
+            return super()._next_job()
 
     def _run(self, job: Job) -> Finish:
         self._has_run = True

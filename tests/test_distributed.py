@@ -683,6 +683,69 @@ def test_server_prompt_reuse_over_a_pipeline_equals_one_process(tmp_path):
         server.kill()
 
 
+class _ThreadLink:
+    """Two ranks' `Link.all_sum` between two threads (a barrier and a sum); `check(total)`
+    runs once both ranks have met, before either goes on."""
+
+    def __init__(self, check):
+        import threading
+
+        self.values, self.check = [None, None], check
+        self.barrier = threading.Barrier(2)
+
+    def rank(self, rank: int):
+        import types
+
+        import mlx.core as mx
+
+        def all_sum(x, what):
+            self.values[rank] = np.array(x)
+            self.barrier.wait(timeout=10)
+            total = self.values[0] + self.values[1]
+            if rank == 0:
+                self.check(total)
+            self.barrier.wait(timeout=10)
+            return mx.array(total)
+
+        return types.SimpleNamespace(rank=rank, all_sum=all_sum)
+
+
+def test_idle_ranks_agree_on_every_interval():
+    """`IdleWait` on two ranks: at every empty tick both have counted the same ticks, so they
+    sleep the same interval, also after work rank 0 took and dropped unsent (a request
+    cancelled before it started); the line rank 0 then shares reaches the other."""
+    import queue
+    import threading
+
+    from mlx_v41.distributed.lines import IDLE, IdleWait
+
+    mismatches = []
+
+    def check(total) -> None:  # at each empty tick: the ticks each rank has counted
+        if total.tolist() == [IDLE] and rank0.ticks != other.ticks:
+            mismatches.append((rank0.ticks, other.ticks))
+
+    link = _ThreadLink(check)
+    rank0, other = IdleWait(link.rank(0)), IdleWait(link.rank(1))
+    script = iter([None, None, None, "dropped", None, None, "hello"])  # None: nothing yet
+
+    def get(timeout):
+        item = next(script)
+        if item is None:
+            time.sleep(timeout)
+            raise queue.Empty
+        return item
+
+    got = []
+    follower = threading.Thread(target=lambda: got.append(other.line()))
+    follower.start()
+    assert rank0.wait(get) == "dropped"
+    assert rank0.share(rank0.wait(get)) == "hello"
+    follower.join(timeout=10)
+    assert got == ["hello"] and not mismatches, mismatches
+    assert rank0.ticks == other.ticks == 0
+
+
 @pytest.mark.slow
 def test_a_rank_lost_between_requests_fails_the_next_request(tmp_path):
     """A group server without a launcher (which would end rank 0 too): rank 1 killed while

@@ -53,7 +53,9 @@ class IdleWait:
     `all_sum` of `IDLE`), and the others sleep in between, waking a little before rank 0's
     next tick. The interval doubles from `FIRST` to `LONGEST` while nothing comes, so work that
     arrives after a pause waits at most `LONGEST` for the other ranks to wake. Both sides count
-    the ticks they shared, so they agree on each interval."""
+    the ticks since the last line that `line` returned and rank 0 sent with `share`, so they
+    agree on each interval (work that rank 0 drops unsent, a request cancelled before it
+    started, resets nothing)."""
 
     FIRST, LONGEST = 0.005, 0.1  # seconds
     EARLY = 0.002                # the others wake this much (plus 2 %) before the next tick
@@ -76,8 +78,12 @@ class IdleWait:
                 _share_length(self.link, IDLE)
                 self.ticks += 1
                 continue
-            self.ticks = 0
             return item
+
+    def share(self, line: Optional[str]) -> Optional[str]:
+        """Rank 0: `share_line` of the line the others' `line` returns."""
+        self.ticks = 0
+        return share_line(self.link, line)
 
     def line(self) -> Optional[str]:
         """Another rank: rank 0's next `share_line` (None: the end), asleep between ticks."""
@@ -105,7 +111,7 @@ def shared_readline(link: Link, readline: Callable[[float], Optional[str]]):
             line = idle.wait(readline)
         except KeyboardInterrupt:
             line = None
-        return share_line(link, line)
+        return idle.share(line)
 
     return read
 

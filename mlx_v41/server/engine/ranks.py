@@ -86,7 +86,7 @@ class GroupEngine(RankEngine):
     def _run(self, job: Job) -> Finish:
         self._has_run = True
         job.reuse = self.store.choose(job.prompt.ids, job.prompt.records())
-        share_line(self.link, json.dumps({**work_record(job), "draft": self.draft}))
+        self.idle.share(json.dumps({**work_record(job), "draft": self.draft}))
         job.prompt = leading_prompt(self.group, job.prompt)  # the tower's rows for the others
         return super()._run(job)
 

@@ -5,7 +5,10 @@ The decode step is mostly host work and waits (building the graph, the few-token
 inside a layer), a prompt piece mostly arithmetic; run one after the other, a reply's token gap
 is the sum of both. On a thread of its own, with an MLX stream of its own (MLX streams belong
 to the thread that made them), the piece's arithmetic runs while the main thread builds and
-runs the decode step, and the decode step never waits for it.
+runs the decode step, and the decode step never waits for the piece to end. It is slowed all
+the same: MLX limits the tasks in flight over all streams together, so while a piece is being
+evaluated each dispatch of the decode step waits for one of the piece's tasks
+(benchmarks/bench_streams.py).
 
 What crosses between the threads is evaluated first: a prompt's cache before its first piece
 (`PromptSchedule._admit`), and its logits, taps and cache after its last (the job's), so

@@ -1,0 +1,126 @@
+"""What a second thread costs the decode step on MLX's CPU backend: the batched decode step of
+--decoders replies, timed alone and then while another thread keeps busy (`prefill_thread`'s
+situation), one contender at a time:
+
+* `python`: a pure-Python loop (it holds the GIL between the interpreter's switches);
+* `matmul`: 512 x 512 matmuls on a stream of its own (few, long operations);
+* `small`: chains of 2,000 small matmuls on a stream of its own (many short operations);
+* `pieces N`: prompt pieces of N tokens of a long prompt, on a stream of its own, read into a
+  cache of a second copy of the model (so nothing but the process is shared).
+
+MLX counts the tasks in flight (groups of 10 CPU dispatches) over all streams together, and an
+evaluation that finds more than 10 waits for one to end after each of its dispatches
+(`MAX_ACTIVE_TASKS` in mlx/transforms.cpp). So a thread whose evaluation keeps many tasks
+queued makes every dispatch of the other wait for one of its tasks, however many cores are
+free. Prints ms per decode step (median) and the ratio to the step alone.
+
+    python benchmarks/bench_streams.py [--decoders 8 --pieces 32 256 --steps 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout too
+
+import mlx_v41  # noqa: E402
+from mlx_v41.generation.batch import BatchGenerator  # noqa: E402
+
+CHECKPOINT = ROOT / "tests/data/goldens/tiny/hf"
+
+
+def python_loop(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def matmuls(stop: threading.Event, chain: int, rows: int) -> None:
+    a = mx.random.normal((512, 512))
+    while not stop.is_set():
+        y = mx.random.normal((rows, 512))
+        for _ in range(chain):
+            y = y @ a
+        mx.eval(y)
+
+
+def pieces(stop: threading.Event, model, size: int, vocab_top: int) -> None:
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, vocab_top, 4096 + 64 * size).tolist()
+    cache = model.make_cache()
+    mx.eval(model.prefill(mx.array([ids[:4096]]), cache))  # a long context, read alone
+    at = 4096
+    while not stop.is_set() and at + size <= len(ids):
+        mx.eval(model.prefill(mx.array([ids[at:at + size]]), cache))
+        at += size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=CHECKPOINT)
+    parser.add_argument("--decoders", type=int, default=8)
+    parser.add_argument("--pieces", type=int, nargs="*", default=[32, 256])
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+
+    model = mlx_v41.load(args.model, dspark=False)[0]
+    other = mlx_v41.load(args.model, dspark=False)[0]
+    top = max(4, model.cfg.vocab_size - 16)
+    rng = np.random.default_rng(0)
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=1 << 30,
+                               completion_batch_size=args.decoders)
+    generator.insert([rng.integers(3, top, 40).tolist() for _ in range(args.decoders)])
+    for _ in range(12):  # prompts in, windows filling, shapes warm
+        generator.next()
+
+    def step_ms() -> float:
+        times = []
+        for _ in range(args.steps):
+            tic = time.perf_counter()
+            generator.next()
+            times.append(time.perf_counter() - tic)
+        return float(np.median(times)) * 1e3
+
+    contenders = [("python loop (GIL)", python_loop),
+                  ("matmuls 512 x 512, chains of 10", lambda stop: matmuls(stop, 10, 512)),
+                  ("small matmuls, chains of 2,000", lambda stop: matmuls(stop, 2000, 8))]
+    contenders += [(f"prompt pieces of {n} tokens",
+                    lambda stop, n=n: pieces(stop, other, n, top)) for n in args.pieces]
+    print(f"mlx {mx.__version__}, {mx.default_device()}; {args.decoders} replies decoding, "
+          f"median of {args.steps} steps")
+    print("\n| beside the decode step | ms per step | / alone |\n|---|---|---|")
+    alone = step_ms()
+    print(f"| nothing | {alone:.0f} | 1.00x |", flush=True)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=contend, args=(jobs,), daemon=True).start()
+    for name, fn in contenders:
+        stop, done = threading.Event(), threading.Event()
+        jobs.put((fn, stop, done))
+        time.sleep(3.0)  # the contender under way (a prompt's long context read)
+        ms = step_ms()
+        stop.set()
+        done.wait()
+        print(f"| {name} | {ms:.0f} | {ms / alone:.2f}x |", flush=True)
+    generator.close()
+
+
+def contend(jobs: queue.SimpleQueue) -> None:
+    """The second thread, with its own stream, kept to the end of the process (MLX can abort
+    at exit over the stream of a thread that has ended)."""
+    with mx.stream(mx.new_stream(mx.default_device())):
+        while True:
+            fn, stop, done = jobs.get()
+            fn(stop)
+            done.set()
+
+
+if __name__ == "__main__":
+    main()

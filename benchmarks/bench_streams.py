@@ -6,13 +6,16 @@ situation), one contender at a time:
 * `matmul`: 512 x 512 matmuls on a stream of its own (few, long operations);
 * `small`: chains of 2,000 small matmuls on a stream of its own (many short operations);
 * `pieces N`: prompt pieces of N tokens of a long prompt, on a stream of its own, read into a
-  cache of a second copy of the model (so nothing but the process is shared).
+  cache of a second copy of the model (so nothing but the process is shared), as one
+  evaluation per mHC side and then in short evaluations (`kernels.context.short_evaluations`,
+  as the prompt thread reads them).
 
 MLX counts the tasks in flight (groups of 10 CPU dispatches) over all streams together, and an
 evaluation that finds more than 10 waits for one to end after each of its dispatches
 (`MAX_ACTIVE_TASKS` in mlx/transforms.cpp). So a thread whose evaluation keeps many tasks
 queued makes every dispatch of the other wait for one of its tasks, however many cores are
-free. Prints ms per decode step (median) and the ratio to the step alone.
+free; short evaluations keep few of them in flight. Prints ms per decode step (median) and
+the ratio to the step alone.
 
     python benchmarks/bench_streams.py [--decoders 8 --pieces 32 256 --steps 15]
 """
@@ -33,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout too
 
 import mlx_v41  # noqa: E402
+from mlx_v41.cache import copy_cache  # noqa: E402
 from mlx_v41.generation.batch import BatchGenerator  # noqa: E402
+from mlx_v41.kernels.context import short_evaluations  # noqa: E402
 
 CHECKPOINT = ROOT / "tests/data/goldens/tiny/hf"
 
@@ -52,12 +57,14 @@ def matmuls(stop: threading.Event, chain: int, rows: int) -> None:
         mx.eval(y)
 
 
-def pieces(stop: threading.Event, model, size: int, vocab_top: int) -> None:
-    rng = np.random.default_rng(1)
-    ids = rng.integers(3, vocab_top, 4096 + 64 * size).tolist()
-    cache = model.make_cache()
-    mx.eval(model.prefill(mx.array([ids[:4096]]), cache))  # a long context, read alone
-    at = 4096
+def pieces(stop: threading.Event, model, context: list, size: int, vocab_top: int,
+           short: bool) -> None:
+    """Pieces of `size` random tokens read after `context` (a cache read once, copied)."""
+    if short:
+        with short_evaluations():
+            return pieces(stop, model, context, size, vocab_top, False)
+    ids = np.random.default_rng(1).integers(3, vocab_top, 64 * size).tolist()
+    cache, at = copy_cache(context), 0
     while not stop.is_set() and at + size <= len(ids):
         mx.eval(model.prefill(mx.array([ids[at:at + size]]), cache))
         at += size
@@ -69,6 +76,10 @@ def main() -> None:
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--pieces", type=int, nargs="*", default=[32, 256])
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--context", type=int, default=4096,
+                        help="tokens read before the pieces (their attention's reach)")
+    parser.add_argument("--only-short", action="store_true",
+                        help="time the pieces in short evaluations only")
     args = parser.parse_args()
 
     model = mlx_v41.load(args.model, dspark=False)[0]
@@ -89,13 +100,19 @@ def main() -> None:
             times.append(time.perf_counter() - tic)
         return float(np.median(times)) * 1e3
 
-    contenders = [("python loop (GIL)", python_loop),
+    contenders = [] if args.only_short else [
+                  ("python loop (GIL)", python_loop),
                   ("matmuls 512 x 512, chains of 10", lambda stop: matmuls(stop, 10, 512)),
                   ("small matmuls, chains of 2,000", lambda stop: matmuls(stop, 2000, 8))]
-    contenders += [(f"prompt pieces of {n} tokens",
-                    lambda stop, n=n: pieces(stop, other, n, top)) for n in args.pieces]
+    context = other.make_cache()  # read alone, once; each contender reads after a copy
+    mx.eval(other.prefill(mx.array([rng.integers(3, top, args.context).tolist()]), context),
+            [c.state for c in context])
+    contenders += [(f"prompt pieces of {n} tokens{', short evaluations' if short else ''}",
+                    lambda stop, n=n, short=short: pieces(stop, other, context, n, top, short))
+                   for short in ((True,) if args.only_short else (False, True))
+                   for n in args.pieces]
     print(f"mlx {mx.__version__}, {mx.default_device()}; {args.decoders} replies decoding, "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps; pieces after {args.context} tokens")
     print("\n| beside the decode step | ms per step | / alone |\n|---|---|---|")
     alone = step_ms()
     print(f"| nothing | {alone:.0f} | 1.00x |", flush=True)

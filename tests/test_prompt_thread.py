@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_v41.generation.batch as batch_module
+import mlx_v41.generation.prompt_schedule as prompt_schedule
 import mlx_v41.generation.speculative as speculative
 from conftest import packed_state
 from mlx_v41.generation.batch import BatchGenerator
@@ -35,14 +36,17 @@ def spans(monkeypatch) -> dict:
     of a prompt sleeps 30 ms inside its piece (the GIL released), a piece's arithmetic in
     miniature."""
     log = {"pieces": [], "forwards": []}
+    serials = {}  # id of a prompt's `Pieces` -> (the object, held so no other takes its id; n)
     run, forward, progress = Pieces.run, batch_module.batch_forward, BatchSequence.progress
 
     def timed(kind, call, *args):
         tic = time.perf_counter()
         try:
             return call(*args)
-        finally:
-            log[kind].append((threading.current_thread().name, tic, time.perf_counter()))
+        finally:  # and which prompt's `Pieces` (a number per object)
+            held = serials.setdefault(id(args[0]), (args[0], len(serials)))
+            log[kind].append((threading.current_thread().name, tic, time.perf_counter(),
+                              held[1]))
 
     def slow_progress(self, done, total):
         time.sleep(0.03)
@@ -69,10 +73,12 @@ def run_all(generator, out: dict, until=None) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", [None, "dspark"])
 def test_prompts_read_beside_the_decoding_get_batch_one_tokens(loaded, spans, draft):
-    """Two replies decode while a 120-token prompt and then a 9-token one arrive: the pieces
-    run on the prompt thread, at least one of them while a decode forward runs on the main
-    thread, and every sequence (the long prompt's first logprobs included) gets its batch-1
-    tokens; `close()` ends the thread."""
+    """Two replies decode while a 120-token prompt and then a 9-token one arrive: the long
+    prompt's pieces run on the prompt thread, at least one of them while a decode forward runs
+    on the main thread; the short one, which fits a step's budget, is read on the main thread
+    in the step after it arrives (not behind the long one's piece) and has its first token
+    then; every sequence (the long prompt's first logprobs included) gets its batch-1 tokens;
+    `close()` ends the thread."""
     model, tokenizer = loaded
     short, (long_,), (late,) = prompts([5, 23]), prompts([120], 1), prompts([9], 2)
     generator = BatchGenerator(model, stop_tokens=(), max_tokens=14, prefill_step_size=STEP,
@@ -85,11 +91,19 @@ def test_prompts_read_beside_the_decoding_get_batch_one_tokens(loaded, spans, dr
         long_uid = generator.insert([long_])[0]
         run_all(generator, out, until=lambda: any(s.prefilled for s in generator.prefilling))
         late_uid = generator.insert([late], max_tokens=5)[0]
+        on_main = {key for name, *_, key in spans["pieces"] if name == "MainThread"}
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r)
+        assert late_uid in out, "the short prompt waited for the long one"
+        assert len(generator.prefilling) == 1, "the long prompt was read before the short one"
+        on_main = {key for name, *_, key in spans["pieces"] if name == "MainThread"} - on_main
         run_all(generator, out)
     finally:
         generator.close()
     assert generator.prompt_thread.closed
-    assert {name for name, *_ in spans["pieces"]} == {THREAD}
+    assert len(on_main) == 1  # the short prompt's pieces
+    assert {name for name, *_, key in spans["pieces"] if key not in on_main} == {THREAD}
+    assert {name for name, *_, key in spans["pieces"] if key in on_main} == {"MainThread"}
     assert {name for name, *_ in spans["forwards"]} == {"MainThread"}
     beside = [p for p in spans["pieces"] for f in spans["forwards"]
               if p[1] < f[2] and f[1] < p[2]]
@@ -105,10 +119,12 @@ def test_prompts_read_beside_the_decoding_get_batch_one_tokens(loaded, spans, dr
         assert [r.token for r in out[uid]][:len(expected)] == expected, uid
 
 
-def test_removing_a_prompt_while_its_piece_runs(loaded, spans):
+def test_removing_a_prompt_while_its_piece_runs(loaded, spans, monkeypatch):
     """`remove` of a prompt the thread is reading (a prefix cache under it) waits for the
-    piece, then returns the cache exactly as it was; the reply decoding beside it keeps its
-    batch-1 tokens and nothing more is emitted for the removed one."""
+    piece in flight, not for the rest of the job (of 20 pieces here), then returns the cache
+    exactly as it was; the reply decoding beside it keeps its batch-1 tokens and nothing more
+    is emitted for the removed one."""
+    monkeypatch.setattr(prompt_schedule, "JOB_STEPS", 20)
     model, tokenizer = loaded
     (prefix, long_, reply) = prompts([20, 150, 6], seed=3)
     cache = model.make_cache()
@@ -126,7 +142,10 @@ def test_removing_a_prompt_while_its_piece_runs(loaded, spans):
         long_uid = generator.insert([long_], caches=[cache])[0]
         run_all(generator, out, until=lambda: generator.prompt_thread.busy and
                 any(s.prefilled for s in generator.prefilling))
+        pieces = len(spans["pieces"])
         returned = generator.remove([long_uid], return_prompt_caches=True)
+        # the piece in flight, and one that may have started just before the remove
+        assert len(spans["pieces"]) - pieces <= 2, len(spans["pieces"]) - pieces
         run_all(generator, out)
     finally:
         generator.close()
@@ -156,6 +175,42 @@ def test_a_prompt_that_fails_on_the_thread_fails_alone(loaded):
     failed, = out[bad_uid]
     assert failed.finish_reason == "error" and "token ids must lie in" in str(failed.error)
     assert [r.token for r in out[reply_uid]] == alone(model, tokenizer, reply, 6)
+
+
+def test_the_thread_reads_a_prompt_in_short_evaluations(loaded, monkeypatch):
+    """On the prompt thread a forward is evaluated a few operations at a time, inside every
+    layer (MLX's limit on tasks in flight is shared by all streams, so a long evaluation there
+    would make each dispatch of the decode step wait); the logits and cache are the ones of
+    one evaluation per mHC side on the main thread."""
+    model, _ = loaded
+    ids, = prompts([40], seed=5)
+    evaluations, evaluate = [], mx.eval
+
+    def counting(*args):
+        evaluations.append(threading.current_thread().name)
+        return evaluate(*args)
+
+    def read() -> tuple:
+        cache = model.make_cache()
+        logits = model.prefill(mx.array([ids]), cache, step_size=STEP)
+        state = packed_state(cache)
+        evaluate(logits, state)  # computed where they were made (the thread's stream)
+        return logits, state
+
+    monkeypatch.setattr(mx, "eval", counting)
+    main = read()
+    on_main = len(evaluations)
+    thread = PromptThread(model.kernels)
+    thread.submit(read)
+    (on_thread, _), = [thread.collect(wait=True)]
+    thread.close()
+    assert set(evaluations[on_main:]) == {THREAD}
+    # attention three times and the MoE twice per layer, at least one layer per chunk
+    assert len(evaluations) - 2 * on_main >= 5 * model.cfg.num_hidden_layers, \
+        (on_main, len(evaluations) - on_main)
+    assert mx.array_equal(on_thread[0], main[0])
+    for x, y in zip(on_thread[1], main[1], strict=True):
+        assert mx.array_equal(x, y)
 
 
 def test_settings_are_checked(loaded):

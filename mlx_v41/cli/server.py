@@ -109,9 +109,9 @@ def setup_arg_parser() -> ArgumentParser:
              "time, so a long prompt keeps the replies' token gaps bounded), a number, or off "
              "(one --prefill-step-size chunk a step, the CED halo in one piece) (default auto)")
     add("--prefill-thread", action="store_true",
-        help="read prompts on a thread of their own while replies decode, so a decode step "
-             "never waits for prompt work (the same tokens; one process with resident experts; "
-             "docs/batching.md)")
+        help="read long prompts on a thread of their own while replies decode, so a decode "
+             "step never waits for their work; short ones are read in the steps (the same "
+             "tokens; one process with resident experts; docs/batching.md)")
     add("--kv-budget", type=parse_size, default=None,
         help="bytes the running sequences' caches may take together, each counted at its "
              "prompt + max_tokens; a request waits until it fits (default: 90%% of the "

@@ -10,8 +10,8 @@ once per step, `remove` a finished or cancelled sequence. A step
    decodes, about one decode step's worth of prompt work (`PrefillPacer`), so a long prompt
    never stalls the replies already streaming and a short prompt behind it starts at once;
    with nothing decoding, `prefill_budget` in `prefill_step_size` chunks. With
-   `prefill_thread=True` the pieces run on a thread of their own (`prompt_thread.py`) while
-   the step decodes, and the decode step never waits for them;
+   `prefill_thread=True` the long prompts' pieces run on a thread of their own
+   (`prompt_thread.py`) while the step decodes, and the decode step never waits for them;
 2. feeds every decoding sequence's last token in one batched forward
    (`model.batch.batch_forward`: one call, each row against its own cache), emits those
    tokens, and samples each sequence's next token with its own sampler, logits processors
@@ -81,8 +81,10 @@ class BatchGenerator(PromptSchedule):
         pipelined: start each step's next tokens before reading back the tokens it feeds
             (default); False evaluates each step before it returns (the old step, the same
             tokens).
-        prefill_thread: read prompts on a thread of their own (with its own MLX stream) while
-            the batch decodes, the same pieces and bits (`prompt_thread.PromptThread`); needs
+        prefill_thread: read long prompts on a thread of their own (with its own MLX stream)
+            while the batch decodes, in pieces of up to `THREAD_PIECE` tokens; a prompt that
+            fits one step's budget is read in the step. The same bits
+            (`prompt_thread.PromptThread`); needs
             the paced schedule (`decode_prefill_budget` not None). `close()` when done.
             Not for a model split over ranks (each rank must run the same steps in order) or
             one whose experts stream from SSD (one expert cache).

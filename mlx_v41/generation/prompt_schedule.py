@@ -8,17 +8,20 @@ behind it starts at once; with nothing decoding, `prefill_budget` in `prefill_st
 chunks. `decode_prefill_budget=None` keeps the old schedule: `prefill_budget` a step in
 chunks taken in turn, the CED halo in one piece.
 
-With a `prompt_thread` (`prompt_thread.PromptThread`) the pieces run on a thread of their own
-while the batch decodes: a step hands the thread one job (pieces of one step's budget each, for
-`JOB_STEPS` budgets) when it is free and takes its result once it is done, so a decode step
-never waits for prompt work; with nothing decoding the step waits for its prompts. The pieces,
-and so the bits, are the same.
+With a `prompt_thread` (`prompt_thread.PromptThread`) the long prompts are read on a thread of
+their own while the batch decodes: a step hands the thread one job (pieces of `THREAD_PIECE`
+tokens or one step's budget, whichever is more, for `JOB_STEPS` pieces) when it is free and
+takes its result once it is done, so a decode step never waits for a long prompt's work. A
+prompt that fits one step's budget is read on the main thread, in the step, as without the
+thread, so it never waits behind a long prompt's piece. With nothing decoding the step waits
+for its prompts. Each prompt's pieces run on one thread, start to end; the bits are the same.
 """
 
 from __future__ import annotations
 
 import math
 import queue
+import threading
 import time
 from functools import partial
 
@@ -26,7 +29,11 @@ import mlx.core as mx
 
 from ..model.prefill import prefill_pieces
 
-JOB_STEPS = 3  # a prompt-thread job while sequences decode: this many step budgets of pieces
+JOB_STEPS = 3  # a prompt-thread job while sequences decode: this many pieces
+# A piece on the prompt thread while sequences decode (tokens; at least the step's budget):
+# long enough that its fixed cost is small (a piece costs about 20 pieces' worth of tokens less
+# per token than one of the 32-token floor on the CPU), short enough that `remove` waits little.
+THREAD_PIECE = 256
 
 
 class PromptSchedule:
@@ -35,7 +42,8 @@ class PromptSchedule:
     `_start_decoding`)."""
 
     _collected = None  # a prompt job's result taken early (`_wait_for_prompts`), not yet landed
-    _arrivals = None  # prompts admitted while the job in flight runs: it takes them too
+    _arrivals = None  # long prompts admitted while the job in flight runs: it takes them too
+    _stop = None  # set: the job in flight ends after its piece in flight (`_wait_for_prompts`)
 
     def _admit(self) -> list:
         """Start prefilling waiting prompts while there is room; a prompt the model refuses
@@ -44,7 +52,8 @@ class PromptSchedule:
         while self.waiting and len(self.prefilling) < self.prefill_batch_size and \
                 len(self.prefilling) + len(self.decoding) < self.completion_batch_size:
             seq = self.waiting.popleft()
-            if self.prompt_thread is not None:  # the thread starts its pieces (`_job`)
+            seq.on_main = self.prompt_thread is None or self._fits_a_step(seq)
+            if not seq.on_main:  # the prompt thread starts its pieces (`_job`)
                 mx.eval([c.state for c in seq.cache],  # what the thread reads, computed here
                         [] if seq.images is None else [seq.images.rows])
                 self.prefilling.append(seq)
@@ -81,12 +90,13 @@ class PromptSchedule:
             self.prefill_budget or math.inf
         return self.step_budget
 
-    def _shortest_first(self, responses: list) -> float:
-        """Pieces within the step's budget, the prompt with the least work left first; a
-        prompt whose next piece does not fit what is left waits (the step's first piece
-        always runs). A prompt that starts decoding makes an idle step's budget the pacer's."""
+    def _shortest_first(self, responses: list, prompts=None) -> float:
+        """Pieces within the step's budget, the prompt with the least work left first (of
+        `prompts`, default all that prefill); a prompt whose next piece does not fit what is
+        left waits (the step's first piece always runs). A prompt that starts decoding makes
+        an idle step's budget the pacer's."""
         spent = 0.0
-        for seq in sorted(self.prefilling, key=lambda s: s.steps.pace.left):
+        for seq in sorted(self.prefilling if prompts is None else prompts, key=_work_left):
             while seq.steps is not None:
                 room = self._budget() - spent
                 if spent and not self._fits(seq, room):
@@ -132,26 +142,44 @@ class PromptSchedule:
         self.counters.prompt_tokens += max(seq.prefilled - before, 0)
         return pace.done
 
+    def _fits_a_step(self, seq) -> bool:
+        """Whether a prompt is short enough to be read on the main thread in the steps (its
+        whole work within one step's budget while sequences decode), so that it does not
+        wait behind a long prompt's piece on the prompt thread."""
+        return bool(self.decoding) and self.pacer is not None and \
+            _work_left(seq) <= self.pacer.budget()
+
     def _threaded(self, responses: list) -> None:
         """Prompts on the prompt thread: land the job in flight once it is done (waiting for
-        it when nothing decodes), then hand the thread the next one; with nothing decoding,
-        wait for it too (a prompt that is in starts decoding in this step). While sequences
-        decode a job is `JOB_STEPS` step budgets in pieces of one, so the thread keeps busy
-        across steps; prompts admitted meanwhile join the job in flight (`_arrivals`)."""
+        it when nothing decodes), read the short prompts here within the step's budget, then
+        hand the thread the next job; with nothing decoding, wait for it too (a prompt that
+        is in starts decoding in this step). While sequences decode a job is `JOB_STEPS`
+        pieces of `THREAD_PIECE` tokens (or the step's budget if more), so the thread keeps
+        busy across steps; long prompts admitted meanwhile join the job in flight
+        (`_arrivals`)."""
         thread = self.prompt_thread
         self._land(thread.collect(wait=not self.decoding), responses)
-        if thread.busy or not self.prefilling:
-            return
-        piece = self._budget()
-        budget = piece * JOB_STEPS if self.decoding else piece
-        self._arrivals = queue.SimpleQueue()
-        thread.submit(partial(self._job, list(self.prefilling), self._arrivals, budget, piece))
-        if not self.decoding:
+        there = [s for s in self.prefilling if not s.on_main]
+        if there and not thread.busy:
+            piece = self._budget()
+            if self.decoding:
+                piece = max(piece, min(THREAD_PIECE, self.prefill_step_size or THREAD_PIECE))
+            budget = piece * JOB_STEPS if self.decoding else piece
+            self._arrivals, self._stop = queue.SimpleQueue(), threading.Event()
+            thread.submit(partial(self._job, there, self._arrivals, budget, piece, self._stop))
+        here = [s for s in self.prefilling if s.on_main]
+        if here:  # beside the job just handed over
+            tic = time.perf_counter()
+            work = self._shortest_first(responses, here)
+            self.pacer.prefilled(work, time.perf_counter() - tic)
+            self.counters.prompt_time += time.perf_counter() - tic
+        if not self.decoding and thread.busy:
             self._land(thread.collect(wait=True), responses)
 
-    def _job(self, order: list, arrivals, budget: float, piece: float) -> tuple:
-        """On the prompt thread: pieces of at most `piece` until `budget`, the prompt with the
-        least work left first (prompts arriving on `arrivals` included); a prompt's pieces
+    def _job(self, order: list, arrivals, budget: float, piece: float, stop) -> tuple:
+        """On the prompt thread: pieces of at most `piece` until `budget` (or `stop` is set),
+        the prompt with the least work left first (prompts arriving on `arrivals` included);
+        a prompt's pieces
         start here (`prefill_pieces`, so every array it makes is this thread's), and one that
         is in is evaluated (logits, taps, cache) for the main thread and ends the job.
         ([(sequence, prefilled before, output or None, error or None)] per piece, the work
@@ -161,7 +189,7 @@ class PromptSchedule:
             while not arrivals.empty():
                 order.append(arrivals.get())
             live = [s for s in order if id(s) not in ended]
-            if not live:
+            if not live or stop.is_set():
                 break
             seq = min(live, key=_work_left)
             if spent and not self._fits(seq, budget - spent):
@@ -211,6 +239,7 @@ class PromptSchedule:
         """Let the prompt job in flight end (its result lands at the next step), so that no
         prompt is being read while the caller changes the queues."""
         if self.prompt_thread is not None and self.prompt_thread.busy:
+            self._stop.set()  # the job ends after its piece in flight
             self._collected = self.prompt_thread.collect(wait=True)
 
     def _pieces(self, seq):

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..kernels.context import using
+from ..kernels.context import short_evaluations, using
 
 THREAD_NAME = "mlx_v41-prompts"
 
@@ -95,7 +95,7 @@ def _serve(jobs: queue.SimpleQueue, device) -> None:
             job, kernels, results = jobs.get()
             tic = time.perf_counter()
             try:
-                with using(kernels):
+                with using(kernels), short_evaluations():
                     result = job()
                 results.put((result, None, time.perf_counter() - tic))
             except BaseException as e:  # noqa: BLE001 - handed to the submitting thread

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Optional
 
+import mlx.core as mx
+
 _ACTIVE: ContextVar = ContextVar("mlx_v41_kernels", default=None)
 
 
@@ -41,3 +43,27 @@ def host_sinkhorn() -> bool:
     set's `host_sinkhorn`; True by default)."""
     kernels = _ACTIVE.get()
     return True if kernels is None else kernels.host_sinkhorn
+
+
+_SETTLE: ContextVar = ContextVar("mlx_v41_settle", default=False)
+
+
+@contextmanager
+def short_evaluations():
+    """Within the block, in this thread, `settle` evaluates: the model's graph is run in short
+    evaluations instead of one per mHC side. For a thread that computes beside another (the
+    prompt thread): MLX counts the tasks in flight over all streams together, and an
+    evaluation that finds more than 10 waits for one to end after each of its own dispatches,
+    so one thread's long evaluation makes every dispatch of the other's wait."""
+    token = _SETTLE.set(True)
+    try:
+        yield
+    finally:
+        _SETTLE.reset(token)
+
+
+def settle(*arrays) -> None:
+    """Evaluate `arrays` now within `short_evaluations`; elsewhere nothing (they stay lazy).
+    The values are the same either way."""
+    if _SETTLE.get():
+        mx.eval(*arrays)

@@ -25,6 +25,7 @@ from .stacked import in_order, split_rows, stack, take_rows
 from .layers import QuantLinear, RMSNorm, allocate_quantized, batch_rows
 from .paired import paired_matmul
 from ..kernels.act_fp8 import ACT_FP8
+from ..kernels.context import settle
 from ..kernels.fp4_pack import FP4_PACK, fp4_pack
 from ..kernels.index_queries import INDEX_QUERIES
 from ..kernels.norm import NORM, norm
@@ -116,10 +117,12 @@ class Attention(nn.Module):
         qr, qr_fp8 = norm(qr, self.q_a_norm.weight, self.q_a_norm.eps, products=True,
                           outputs=("y", "fp8"))
         q = self.q_b_proj.matmul(qr_fp8).reshape(batch, n_out, self.heads, self.head_dim)
+        settle(kv_products, q, qr, qr_fp8)
         if isinstance(ctx, BatchState):  # each sequence's rows against its own cache
             out = self._attend_batch(x, kv_products, q, qr, qr_fp8, ctx, cache, n_out)
         else:
             out = self._attend(x, kv_products, q, qr, qr_fp8, ctx, cache, n_out)
+        settle(out)
         groups = self.o_a_proj.weight.shape[0]
         out = self.o_a_proj(out.reshape(batch, n_out, groups, -1), products=True)
         out = self.o_b_proj.prepare(out.reshape(batch, n_out, -1), True)
@@ -143,6 +146,7 @@ class Attention(nn.Module):
         pos = ctx.end - n_out
         q = rope_products(q, self.rope, pos)  # bf16 rounding and RoPE (one launch)
         packed, rows = self._packed_rows(x, qr, qr_fp8, ctx)
+        settle(q, window, packed, rows)
         out = sparse_attention(q, window, packed, rows, self.sinks, self.head_dim ** -0.5,
                                self.window)
         # fp32 between the kernels, each value still a bf16 one: every rounding the reference

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from ..cache.layer import LayerCache, rollback_limit
 from ..kernels import Kernels
+from ..kernels.context import settle
 from ..kernels.norm import norm
 from ..numerics.mhc import expand
 from .attention import Attention
@@ -82,12 +83,14 @@ class Block(nn.Module):
             state.record(f"layers.{self.role.layer}.engram_out", streams)
         # attention side: collapse -> norm -> attention -> expand (with the FFN side's mixes)
         u, u_fp8 = self.attention_input(streams, pre, with_fp8=True)
+        settle(u, u_fp8)
         streams = streams[:, n_in - n_out:]
         a_pre, a_post, a_comb = self.attn_hc(streams) if mixes is None else last_rows(mixes, n_out)
         y = self.self_attn(u, state, cache, n_out, products=True, prepared=u_fp8)
         streams, f_pre, f_post, f_comb = self.ffn_hc.after_expand(y, streams, a_post, a_comb)
         # FFN side: collapse -> norm -> MoE -> expand (with the next block's mixes)
         u, u32, u_fp8 = self.ffn_input(streams, a_pre)
+        settle(u, u32, u_fp8)
         y = self.mlp(u, state.image_positions(n_out), self.gate_recorder(state), u32,
                      x_fp8=u_fp8)
         if hand_to is None:

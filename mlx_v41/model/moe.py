@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..numerics.mhc import along, chain_sum
+from ..kernels.context import settle
 from ..kernels.moe_order import moe_order
 from ..kernels.router import _sqrt_softplus, router, router_ops  # noqa: F401 (re-exported)
 from ..kernels.swiglu import swiglu, swiglu_act_fp8
@@ -167,6 +168,7 @@ class MoE(nn.Module):
         batch, length, dim = x.shape
         source = x if x32 is None else x32
         ids, weights = self.gate.select(source, image_mask, ops_order=record is not None)
+        settle(ids, weights)
         if record is not None:
             record("gate.indices", ids.astype(mx.int32))
             record("gate.weights", weights)
@@ -176,6 +178,7 @@ class MoE(nn.Module):
             flat = x_fp8.reshape(-1, dim)
         k = ids.shape[-1]
         routed = self.experts.switch_mlp(flat, ids.reshape(-1, k), weights.reshape(-1, k))
+        settle(routed)
         shared = self.shared_experts(x, flat)
         return _routed_and_shared(routed, shared).reshape(batch, length, dim)
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from . import indexer as indexer_mod
 from .indexer import INDEX_BITS, NEG_INF, sort_key
+from ..kernels.context import settle
 from ..numerics.quant import unpack_fp4_e8m0
 
 ROW_MASK = (1 << INDEX_BITS) - 1
@@ -67,6 +68,7 @@ def select_rows(indexer, rope, x, qr, packed_keys, first: int, ratio: int, topk:
         keys = unpack_fp4_e8m0(mx.depends(packed, barrier) if barrier else packed)
         for block in blocks:
             block.score(indexer, keys, start, ratio, topk, pool, keep_scores)
+            settle(block.state())  # a block at a time where evaluations are kept short
         barrier = [a for block in blocks for a in block.state()]
     return _joined(blocks, total, pool, keep_scores)
 

@@ -81,7 +81,7 @@ class BatchEngine(Engine):
             None: `default_kv_budget`.
         decode_prefill_budget: prompt work a step does while sequences decode
             (`BatchGenerator`'s: "auto", tokens, or None for one chunk a step).
-        prefill_thread: read prompts on a thread of their own while the batch decodes
+        prefill_thread: read long prompts on a thread of their own while the batch decodes
             (`BatchGenerator`'s).
         max_concurrent: requests queued or running at most (more get EngineBusy: HTTP 429).
         Others as `Engine`'s.

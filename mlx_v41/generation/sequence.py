@@ -111,7 +111,7 @@ class BatchSequence:
     key: Optional[RandomKey]
     images: object = None
     steps: object = None  # the prefill generator while prefilling
-    on_main: bool = False  # with a prompt thread: read on the main thread, in the steps
+    on_main: bool = False  # its prompt read on the main thread (always without a prompt thread)
     history: Optional[mx.array] = None  # prompt and sampled tokens (for processors)
     token: Optional[mx.array] = None  # sampled, not yet fed
     logprobs: Optional[mx.array] = None

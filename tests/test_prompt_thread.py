@@ -21,6 +21,7 @@ from mlx_v41.generation.batch import BatchGenerator
 from mlx_v41.generation.prompt_thread import THREAD_NAME, PromptThread, check_prefill_thread
 from mlx_v41.generation.sequence import BatchSequence
 from mlx_v41.model.prefill import Pieces
+from mlx_v41.numerics.rope import shared_rope
 import test_batch_schedule as schedule
 from test_batch_schedule import STEP, alone, prompts
 
@@ -211,6 +212,27 @@ def test_the_thread_reads_a_prompt_in_short_evaluations(loaded, monkeypatch):
     assert mx.array_equal(on_thread[0], main[0])
     for x, y in zip(on_thread[1], main[1], strict=True):
         assert mx.array_equal(x, y)
+
+
+def test_rotation_tables_are_kept_per_thread():
+    """A RoPE keeps the tables it makes for each thread apart: the prompt thread's are made
+    lazily on its stream, and the main thread's graph must not read one before that stream
+    has computed it (MLX: "There is no Stream(cpu, 1) in current thread")."""
+    rope = shared_rope(64, 10000.0)
+
+    def made_there():
+        tables = rope.tables((3, 5), 64, False)
+        mx.eval(tables)  # to compare them here
+        return tables
+
+    thread = PromptThread()
+    thread.submit(made_there)
+    theirs, _ = thread.collect(wait=True)
+    thread.close()
+    ours = rope.tables((3, 5), 64, False)
+    assert ours is not theirs
+    assert ours is rope.tables((3, 5), 64, False)  # kept for this thread
+    assert all(mx.array_equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_settings_are_checked(loaded):

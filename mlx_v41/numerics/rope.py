@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Optional
 
 import mlx.core as mx
@@ -60,8 +61,18 @@ class RoPE:
     def __init__(self, rope_dim: int, base: float, scaling: Optional[dict] = None):
         self.rope_dim = rope_dim
         self.freqs = mx.array(rope_frequencies(rope_dim, base, scaling))
-        self._tables: dict = {}
-        self._row_tables: dict = {}
+        self._kept = threading.local()
+
+    @property
+    def _tables(self) -> dict:
+        """This thread's kept tables: a table is made lazily on the thread's MLX stream, and
+        another thread (the prompt thread beside the decode steps) must not read it before
+        that stream has computed it."""
+        return self._kept.__dict__.setdefault("tables", {})
+
+    @property
+    def _row_tables(self) -> dict:
+        return self._kept.__dict__.setdefault("rows", {})
 
     def angles(self, positions):
         """(cos, sin) [S, rope_dim / 2] of an array of positions."""

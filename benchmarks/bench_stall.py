@@ -20,7 +20,7 @@ Model: the tiny golden checkpoint (12 layers, window 16; the drafter left out un
 --dspark), or --model PATH.
 
     python benchmarks/bench_stall.py [--long-tokens 16384 --decoders 8 --budget auto
-        --min-chunk 32 --idle]
+        --min-chunk 32 --idle --thread-piece 256]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout too
 
 import mlx_v41  # noqa: E402
+from mlx_v41.generation import prompt_schedule  # noqa: E402
 from mlx_v41.generation.batch import MIN_PREFILL_CHUNK, BatchGenerator  # noqa: E402
 
 CHECKPOINT = ROOT / "tests/data/goldens/tiny/hf"
@@ -218,7 +219,10 @@ def main() -> None:
                         "thread (the budget, pieces on the prompt thread)")
     parser.add_argument("--idle", action="store_true",
                         help="also time a batch-1 prefill of the long prompt alone")
+    parser.add_argument("--thread-piece", type=int, default=prompt_schedule.THREAD_PIECE,
+                        help="the thread schedule's piece while replies decode (tokens)")
     args = parser.parse_args()
+    prompt_schedule.THREAD_PIECE = args.thread_piece
     budget = args.budget if args.budget == "auto" else int(args.budget)
     model = mlx_v41.load_model(args.model, dspark=args.dspark)
     print(f"mlx {mx.__version__}, device {mx.default_device()}, load average "

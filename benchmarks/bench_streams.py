@@ -15,14 +15,16 @@ evaluation that finds more than 10 waits for one to end after each of its dispat
 (`MAX_ACTIVE_TASKS` in mlx/transforms.cpp). So a thread whose evaluation keeps many tasks
 queued makes every dispatch of the other wait for one of its tasks, however many cores are
 free; short evaluations keep few of them in flight. Prints ms per decode step (median) and
-the ratio to the step alone.
+the ratio to the step alone, and first what short evaluations cost a piece read alone.
 
-    python benchmarks/bench_streams.py [--decoders 8 --pieces 32 256 --steps 15]
+    python benchmarks/bench_streams.py [--decoders 8 --pieces 32 256 --steps 15 --context 4096
+        --only-short --switch-interval 0.005]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import sys
 import threading
@@ -80,7 +82,11 @@ def main() -> None:
                         help="tokens read before the pieces (their attention's reach)")
     parser.add_argument("--only-short", action="store_true",
                         help="time the pieces in short evaluations only")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run (seconds; Python's is 0.005)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     model = mlx_v41.load(args.model, dspark=False)[0]
     other = mlx_v41.load(args.model, dspark=False)[0]
@@ -113,7 +119,8 @@ def main() -> None:
                    for n in args.pieces]
     print(f"mlx {mx.__version__}, {mx.default_device()}; {args.decoders} replies decoding, "
           f"median of {args.steps} steps; pieces after {args.context} tokens")
-    print("\n| beside the decode step | ms per step | / alone |\n|---|---|---|")
+    alone_table(other, context, args.pieces, top)
+    print("| beside the decode step | ms per step | / alone |\n|---|---|---|")
     alone = step_ms()
     print(f"| nothing | {alone:.0f} | 1.00x |", flush=True)
     jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -121,12 +128,33 @@ def main() -> None:
     for name, fn in contenders:
         stop, done = threading.Event(), threading.Event()
         jobs.put((fn, stop, done))
-        time.sleep(3.0)  # the contender under way (a prompt's long context read)
+        time.sleep(3.0)  # the contender under way
         ms = step_ms()
         stop.set()
         done.wait()
         print(f"| {name} | {ms:.0f} | {ms / alone:.2f}x |", flush=True)
     generator.close()
+
+
+def alone_table(model, context: list, sizes: list, vocab_top: int) -> None:
+    """What short evaluations cost a piece read with nothing beside it: ms per piece (median
+    of 4, after one warm-up), each size read after `context` both ways."""
+    print("\n| piece, read alone | one evaluation per mHC side | short evaluations |\n"
+          "|---|---|---|")
+    ids = np.random.default_rng(2).integers(3, vocab_top, 5 * max(sizes)).tolist()
+    for size in sizes:
+        times = {}
+        for short in (False, True):
+            cache, spent = copy_cache(context), []
+            for at in range(0, 5 * size, size):
+                tic = time.perf_counter()
+                with short_evaluations() if short else contextlib.nullcontext():
+                    mx.eval(model.prefill(mx.array([ids[at:at + size]]), cache))
+                spent.append(time.perf_counter() - tic)
+            times[short] = float(np.median(spent[1:])) * 1e3
+        print(f"| {size} tokens | {times[False]:.0f} ms | {times[True]:.0f} ms "
+              f"({times[True] / times[False]:.2f}x) |", flush=True)
+    print()
 
 
 def contend(jobs: queue.SimpleQueue) -> None:

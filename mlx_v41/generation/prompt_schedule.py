@@ -71,18 +71,27 @@ class PromptSchedule:
 
     def _prefill(self) -> list:
         """Pieces of the prefilling prompts within the step's budget (`_budget`)."""
-        responses, tic, reading = [], time.perf_counter(), bool(self.prefilling)
+        responses = []
         if self.prompt_thread is not None:
             self._threaded(responses)
-            return responses
-        if self.pacer is None:
+        elif self.pacer is not None:
+            self._paced(responses, list(self.prefilling))
+        elif self.prefilling:
+            tic = time.perf_counter()
             self._round_robin(responses)
-        else:
-            work = self._shortest_first(responses)
-            self.pacer.prefilled(work, time.perf_counter() - tic)
-        if reading:  # a piece ran (halo pieces read no new tokens but count)
             self.counters.prompt_time += time.perf_counter() - tic
         return responses
+
+    def _paced(self, responses: list, prompts: list) -> None:
+        """`_shortest_first` over `prompts`, its time counted and given to the pacer (halo
+        pieces read no new tokens but count)."""
+        if not prompts:
+            return
+        tic = time.perf_counter()
+        work = self._shortest_first(responses, prompts)
+        seconds = time.perf_counter() - tic
+        self.pacer.prefilled(work, seconds)
+        self.counters.prompt_time += seconds
 
     def _budget(self) -> float:
         """The step's prompt work: the pacer's while any sequence decodes, else
@@ -91,13 +100,13 @@ class PromptSchedule:
             self.prefill_budget or math.inf
         return self.step_budget
 
-    def _shortest_first(self, responses: list, prompts=None) -> float:
-        """Pieces within the step's budget, the prompt with the least work left first (of
-        `prompts`, default all that prefill); a prompt whose next piece does not fit what is
-        left waits (the step's first piece always runs). A prompt that starts decoding makes
-        an idle step's budget the pacer's."""
+    def _shortest_first(self, responses: list, prompts: list) -> float:
+        """Pieces of `prompts` within the step's budget, the prompt with the least work left
+        first; a prompt whose next piece does not fit what is left waits (the step's first
+        piece always runs). A prompt that starts decoding makes an idle step's budget the
+        pacer's."""
         spent = 0.0
-        for seq in sorted(self.prefilling if prompts is None else prompts, key=_work_left):
+        for seq in sorted(prompts, key=_work_left):
             while seq.steps is not None:
                 room = self._budget() - spent
                 if spent and not self._fits(seq, room):
@@ -147,8 +156,7 @@ class PromptSchedule:
         """Whether a prompt is short enough to be read on the main thread in the steps (its
         whole work within one step's budget while sequences decode), so that it does not
         wait behind a long prompt's piece on the prompt thread."""
-        return bool(self.decoding) and self.pacer is not None and \
-            _work_left(seq) <= self.pacer.budget()
+        return bool(self.decoding) and _work_left(seq) <= self.pacer.budget()
 
     def _threaded(self, responses: list) -> None:
         """Prompts on the prompt thread: land the job in flight once it is done (waiting for
@@ -168,12 +176,7 @@ class PromptSchedule:
             budget = piece * JOB_STEPS if self.decoding else piece
             self._arrivals, self._stop = queue.SimpleQueue(), threading.Event()
             thread.submit(partial(self._job, there, self._arrivals, budget, piece, self._stop))
-        here = [s for s in self.prefilling if s.on_main]
-        if here:  # beside the job just handed over
-            tic = time.perf_counter()
-            work = self._shortest_first(responses, here)
-            self.pacer.prefilled(work, time.perf_counter() - tic)
-            self.counters.prompt_time += time.perf_counter() - tic
+        self._paced(responses, [s for s in self.prefilling if s.on_main])  # beside the job
         if not self.decoding and thread.busy:
             self._land(thread.collect(wait=True), responses)
 

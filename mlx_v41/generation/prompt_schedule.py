@@ -31,9 +31,9 @@ from ..model.prefill import prefill_pieces
 
 JOB_STEPS = 3  # a prompt-thread job while sequences decode: this many pieces
 # A piece on the prompt thread while sequences decode (tokens; at least the step's budget):
-# long enough that a piece's fixed cost is small (on the CPU at a 4K offset, about 3.4 ms a
-# token against 6.3 ms for a piece of the 32-token floor), short enough that `remove` waits
-# little for the piece in flight.
+# long enough that a piece's fixed cost is small (on the CPU after 12K tokens, about 6.8 ms a
+# token against 12.8 ms for a piece of the 32-token floor: benchmarks/bench_streams.py), short
+# enough that `remove` waits little for the piece in flight.
 THREAD_PIECE = 256
 
 

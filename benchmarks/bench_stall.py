@@ -13,8 +13,10 @@ p99 over all replies, before and while the long prompt is read. The short reques
 first token counts the steps (and seconds) from its insert to its first token, its prefill
 included. The long prompt's prefill time is its insert to its first token; "prompt seconds"
 is the part of it the generator spent reading prompts. --idle also times a batch-1
-`Model.prefill` of the long prompt with nothing decoding. The schedules' tokens must be
-identical (both are exact per sequence).
+`Model.prefill` of the long prompt with nothing decoding. "Cores busy" is the process's CPU
+seconds per wall second, decoding alone and while the long prompt is read (and in the idle
+prefill): what the work asks of the machine. The schedules' tokens must be identical (both are
+exact per sequence).
 
 Model: the tiny golden checkpoint (12 layers, window 16; the drafter left out unless
 --dspark), or --model PATH.
@@ -53,6 +55,8 @@ class Result:
     gaps_before: list = field(default_factory=list)  # s between a reply's tokens
     gaps_during: list = field(default_factory=list)
     step_before: float = 0.0  # median step time with only decoding
+    cores_before: float = 0.0  # the process's CPU seconds per wall second, only decoding
+    cores_during: float = 0.0  # the same while the long prompt is read
     short_steps: int = 0
     short_seconds: float = 0.0
     long_seconds: float = 0.0
@@ -99,15 +103,16 @@ def run(model, name: str, budget, args, thread: bool = False) -> Result:
         step()
     for _ in range(2):  # warm-up at this batch shape
         step()
-    start, step_times = time.perf_counter(), []
+    start, step_times, cpu = time.perf_counter(), [], time.process_time()
     for _ in range(args.before):
         tic = time.perf_counter()
         step()
         step_times.append(time.perf_counter() - tic)
     result.step_before = float(np.median(step_times))
+    result.cores_before = (time.process_time() - cpu) / (time.perf_counter() - start)
     result.gaps_before = gaps(times, uids, start, time.perf_counter())
     prompt_time = generator.counters.prompt_time
-    inserted = time.perf_counter()
+    inserted, cpu = time.perf_counter(), time.process_time()
     long_uid = generator.insert([long_ids])[0]
     short_uid, short_at = None, None
     while long_uid not in times:
@@ -129,6 +134,7 @@ def run(model, name: str, budget, args, thread: bool = False) -> Result:
             print(f"    {name}: step {result.steps}, {time.perf_counter() - inserted:.0f} s",
                   flush=True)
     result.long_seconds = times[long_uid][0] - inserted
+    result.cores_during = (time.process_time() - cpu) / (time.perf_counter() - inserted)
     result.prompt_seconds = generator.counters.prompt_time - prompt_time
     result.gaps_during = gaps(times, uids, inserted, times[long_uid][0])
     generator.remove([s.uid for s in generator.sequences])
@@ -145,11 +151,14 @@ def gaps(times: dict, uids: list, begin: float, end: float) -> list:
     return out
 
 
-def idle_prefill(model, args) -> float:
+def idle_prefill(model, args) -> tuple:
+    """(seconds, the process's CPU seconds per wall second) of a batch-1 prefill of the long
+    prompt with nothing else running."""
     ids = mx.array([make_prompts(model, args)[1]])
-    tic = time.perf_counter()
+    tic, cpu = time.perf_counter(), time.process_time()
     mx.eval(model.prefill(ids, model.make_cache(), step_size=args.prefill_step_size))
-    return time.perf_counter() - tic
+    seconds = time.perf_counter() - tic
+    return seconds, (time.process_time() - cpu) / seconds
 
 
 def percentile(values: list, q: float) -> float:
@@ -187,8 +196,12 @@ def report(results: list, idle) -> None:
               f"short request first token {new.short_seconds / old.short_seconds:.3f}x, long "
               f"prompt first token {new.long_seconds / old.long_seconds:.3f}x (prompt seconds "
               f"{new.prompt_seconds / old.prompt_seconds:.3f}x)")
+    print("\ncores busy (the process's CPU seconds per wall second): "
+          + "; ".join(f"{r.name}: {r.cores_before:.2f} only decoding, {r.cores_during:.2f} "
+                      f"while the long prompt is read" for r in results))
     if idle is not None:
-        print(f"idle batch-1 prefill of the long prompt: {idle:.1f} s")
+        idle, cores = idle
+        print(f"idle batch-1 prefill of the long prompt: {idle:.1f} s ({cores:.2f} cores busy)")
         for r in results:
             print(f"  {r.name}: long prompt first token / idle {r.long_seconds / idle:.3f}x, "
                   f"prompt seconds / idle {r.prompt_seconds / idle:.3f}x")
@@ -221,11 +234,16 @@ def main() -> None:
                         help="also time a batch-1 prefill of the long prompt alone")
     parser.add_argument("--thread-piece", type=int, default=prompt_schedule.THREAD_PIECE,
                         help="the thread schedule's piece while replies decode (tokens)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run (seconds; Python's is 0.005)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     prompt_schedule.THREAD_PIECE = args.thread_piece
     budget = args.budget if args.budget == "auto" else int(args.budget)
     model = mlx_v41.load_model(args.model, dspark=args.dspark)
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, load average "
+    print(f"mlx {mx.__version__}, device {mx.default_device()}, switch interval "
+          f"{sys.getswitchinterval() * 1e3:g} ms, load average "
           f"{os.getloadavg()[0]:.2f}; {args.model.name if args.model != CHECKPOINT else 'tiny'}"
           f" ({model.cfg.num_hidden_layers} layers, decoder from "
           f"{model.model.decoder_start}, prefill {model.prefill_mode}); {args.decoders} "

@@ -1,7 +1,8 @@
 """The mHC Sinkhorn in NumPy (`sinkhorn_host`), which decode runs on the CPU instead of 2 x iters
 MLX launches per block side, has the bits of the MLX ops (`sinkhorn_ops`); decode uses it and
-prefill chunks do not; a device where the bits differ keeps the ops, with one warning; inside
-`mx.compile` (no evaluation allowed) the ops run."""
+prefill chunks do not, except in short evaluations (the prompt thread); a device where the
+bits differ keeps the ops, with one warning; inside `mx.compile` (no evaluation allowed) the
+ops run."""
 
 import functools
 import warnings
@@ -12,6 +13,8 @@ import pytest
 
 import mlx_v41.numerics.mhc as mhc_module
 from mlx_v41.kernels import Kernels
+from mlx_v41.kernels.context import short_evaluations
+from mlx_v41.kernels.mhc import mhc
 from mlx_v41.numerics.mhc import HOST_SINKHORN_TOKENS, mhc_ops, sinkhorn_host, sinkhorn_ops
 
 pytestmark = pytest.mark.usefixtures("cpu")
@@ -80,6 +83,22 @@ def test_few_tokens_use_numpy_and_many_the_ops(monkeypatch):
         assert calls.count - before == (tokens <= HOST_SINKHORN_TOKENS), tokens
         for g, w in zip(got, want):
             assert np.array_equal(bits(g), bits(w))
+
+
+def test_short_evaluations_take_numpy_for_any_number_of_tokens(monkeypatch):
+    """Within `short_evaluations` (the prompt thread) `mhc` runs the Sinkhorn of a long piece
+    in NumPy too, with the bits of the ops: the compiled Sinkhorn would be one evaluation of
+    hundreds of operations; outside, a long piece stays lazy on the ops."""
+    calls = Calls(monkeypatch)
+    args = mixes_args(4 * HOST_SINKHORN_TOKENS)
+    want = mhc_ops(*args)
+    got = mhc(*args)
+    assert calls.count == 0
+    with short_evaluations():
+        short = mhc(*args)
+    assert calls.count == 1
+    for g, s, w in zip(got, short, want):
+        assert np.array_equal(bits(s), bits(w)) and np.array_equal(bits(g), bits(w))
 
 
 def test_inside_mx_compile_the_ops_run(monkeypatch):

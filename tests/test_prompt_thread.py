@@ -178,13 +178,15 @@ def test_a_prompt_that_fails_on_the_thread_fails_alone(loaded):
     assert [r.token for r in out[reply_uid]] == alone(model, tokenizer, reply, 6)
 
 
-def test_the_thread_reads_a_prompt_in_short_evaluations(loaded, monkeypatch):
+@pytest.mark.parametrize("length,step", [(40, STEP), (150, 128)])
+def test_the_thread_reads_a_prompt_in_short_evaluations(loaded, monkeypatch, length, step):
     """On the prompt thread a forward is evaluated a few operations at a time, inside every
     layer (MLX's limit on tasks in flight is shared by all streams, so a long evaluation there
     would make each dispatch of the decode step wait); the logits and cache are the ones of
-    one evaluation per mHC side on the main thread."""
+    one evaluation per mHC side on the main thread. Pieces of 128 tokens: the thread runs
+    their Sinkhorn in NumPy, the main thread in compiled MLX ops."""
     model, _ = loaded
-    ids, = prompts([40], seed=5)
+    ids, = prompts([length], seed=5)
     evaluations, evaluate = [], mx.eval
 
     def counting(*args):
@@ -193,7 +195,7 @@ def test_the_thread_reads_a_prompt_in_short_evaluations(loaded, monkeypatch):
 
     def read() -> tuple:
         cache = model.make_cache()
-        logits = model.prefill(mx.array([ids]), cache, step_size=STEP)
+        logits = model.prefill(mx.array([ids]), cache, step_size=step)
         state = packed_state(cache)
         evaluate(logits, state)  # computed where they were made (the thread's stream)
         return logits, state

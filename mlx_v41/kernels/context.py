@@ -62,6 +62,11 @@ def short_evaluations():
         _SETTLE.reset(token)
 
 
+def evaluations_short() -> bool:
+    """Whether `short_evaluations` is active in this thread."""
+    return _SETTLE.get()
+
+
 def settle(*arrays) -> None:
     """Evaluate `arrays` now within `short_evaluations`; elsewhere nothing (they stay lazy).
     The values are the same either way."""

@@ -14,10 +14,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..numerics.mhc import expand_pair, mhc_expand_ops, mhc_ops
+from ..numerics.mhc import HOST_SINKHORN_TOKENS, expand_pair, mhc_expand_ops, mhc_ops
 from .builder import device_buffer
 from .check import assert_close
-from .context import host_sinkhorn
+from .context import evaluations_short, host_sinkhorn
 from .spec import KernelSpec
 
 THREADS = 256  # threads per token's threadgroup
@@ -146,4 +146,5 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         return run(streams, fn, base, scale, iters, eps, norm_eps)
     host = host_sinkhorn() if host is None else host
     return mhc_ops(streams if streams32 is None else streams32, fn, base, scale, iters, eps,
-                   norm_eps, squares if streams32 is not None else None, host=host)
+                   norm_eps, squares if streams32 is not None else None, host=host,
+                   host_tokens=math.inf if evaluations_short() else HOST_SINKHORN_TOKENS)

@@ -10,7 +10,9 @@ On MLX's CPU backend every kernel launch costs ~10 us of the main thread, and a 
 Sinkhorn is 2 x iters dependent launches on 16 numbers per side. For a few tokens on the CPU,
 `mhc_ops(host=True)` therefore runs the normalisations in NumPy (`sinkhorn_host`: the same adds
 and divides in the same order, so the same bits; checked once per device against the ops,
-`host_sinkhorn_exact`), after evaluating the mixes: one host round trip per block side.
+`host_sinkhorn_exact`), after evaluating the mixes: one host round trip per block side. The
+prompt thread, which evaluates its pieces in short steps anyway, does so at any length
+(`mhc_ops(host_tokens=...)`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 # At most this many tokens per call have their Sinkhorn in NumPy on the CPU (decode and DSpark
-# blocks; a prefill chunk's fused kernels cost little next to its work, and it stays lazy).
+# blocks; a prefill chunk's fused kernels cost little next to its work, and it stays lazy),
+# unless the caller evaluates in short steps anyway (`mhc_ops(host_tokens=...)`).
 HOST_SINKHORN_TOKENS = 64
 
 
@@ -114,11 +117,11 @@ def host_sinkhorn_exact(device: str) -> bool:
     return False
 
 
-def _host_applies(streams: mx.array) -> bool:
-    """A few tokens, on the CPU, where NumPy's Sinkhorn gives the ops' bits."""
+def _host_applies(streams: mx.array, limit: float) -> bool:
+    """At most `limit` tokens, on the CPU, where NumPy's Sinkhorn gives the ops' bits."""
     tokens = streams.size // (streams.shape[-1] * streams.shape[-2])
     device = mx.default_device()
-    return tokens <= HOST_SINKHORN_TOKENS and device == mx.cpu and \
+    return tokens <= limit and device == mx.cpu and \
         host_sinkhorn_exact(str(device))
 
 
@@ -150,11 +153,12 @@ def _compiled_mixes(iters: int, eps: float, norm_eps: float, normalise: bool = T
 
 
 def mhc_ops(streams, fn, base, scale, iters: int, eps: float, norm_eps: float, squares=None,
-            host: bool = False):
+            host: bool = False, host_tokens: float = HOST_SINKHORN_TOKENS):
     """Reference (pure MLX); arguments as in `mhc`. `host`: the Sinkhorn in NumPy where that
-    applies (a few tokens on the CPU; the same bits), which evaluates the mixes."""
+    applies (up to `host_tokens` tokens on the CPU; the same bits), which evaluates the
+    mixes."""
     extra = () if squares is None else (squares,)
-    if host and _host_applies(streams):
+    if host and _host_applies(streams, host_tokens):
         pre, post, comb = _compiled_mixes(iters, eps, norm_eps, False)(streams, fn, base, scale,
                                                                         *extra)
         try:

@@ -137,7 +137,10 @@ def mhc(streams, fn, base, scale, iters: int, eps: float, norm_eps: float,
         squares: optional streams32 * streams32 for the ops' RMS (saves them a kernel); only
             with `streams32`.
         host: the ops' Sinkhorn in NumPy for up to HOST_SINKHORN_TOKENS tokens on the CPU
-            (the same bits; evaluates the mixes there); None: the active set's choice.
+            (the same bits; evaluates the mixes there), for any number within
+            `short_evaluations` (the prompt thread evaluates in short steps anyway, and the
+            compiled Sinkhorn of a long piece is hundreds of operations in one evaluation);
+            None: the active set's choice.
     Returns:
         (pre [B, S, n], post [B, S, n], comb [B, S, n, n]), fp32.
     """

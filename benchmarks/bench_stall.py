@@ -191,9 +191,11 @@ def report(results: list, idle) -> None:
               f"{percentile(r.prompt_during, 99) * 1e3:.0f}; gap p99 "
               f"{percentile(r.gaps_during, 99) / percentile(r.decode_during, 50):.1f}x")
     for new in results[1:]:
+        short = f"{new.short_seconds / old.short_seconds:.3f}x" if old.short_seconds else \
+            "- (it came after the long prompt's first token)"
         print(f"\n{new.name} / {old.name}: gap p99 "
               f"{percentile(new.gaps_during, 99) / percentile(old.gaps_during, 99):.3f}x, "
-              f"short request first token {new.short_seconds / old.short_seconds:.3f}x, long "
+              f"short request first token {short}, long "
               f"prompt first token {new.long_seconds / old.long_seconds:.3f}x (prompt seconds "
               f"{new.prompt_seconds / old.prompt_seconds:.3f}x)")
     print("\ncores busy (the process's CPU seconds per wall second): "

@@ -70,5 +70,5 @@ def evaluations_short() -> bool:
 def settle(*arrays) -> None:
     """Evaluate `arrays` now within `short_evaluations`; elsewhere nothing (they stay lazy).
     The values are the same either way."""
-    if _SETTLE.get():
+    if evaluations_short():
         mx.eval(*arrays)

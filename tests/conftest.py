@@ -48,9 +48,18 @@ def slow(*values):
     return pytest.param(*values, marks=pytest.mark.slow)
 
 
+# Ranks started by tests run at a lower priority. MLX's ring backend waits for a peer by polling
+# its socket (a core busy for as long as it waits), so a pipeline's or a tensor-parallel group's
+# ranks on one machine keep both cores busy while most of them only wait; at the same priority
+# that took the cores from the suite's other worker (a test beside them ran twice as long).
+# Lowered, the polling gets only what the other worker leaves.
+RANK_PRIORITY = ["nice", "-n", "10"]
+
+
 def mlx_launch(n: int) -> list:
     """`mlx.launch -n N` on a free run of N ports (the ring listens on starting-port + rank), so
-    two test runs on one machine never join each other's rings (the default port is fixed)."""
+    two test runs on one machine never join each other's rings (the default port is fixed), at
+    `RANK_PRIORITY`."""
     for _ in range(200):
         base = random.randint(20000, 60000 - n)
         try:
@@ -59,7 +68,7 @@ def mlx_launch(n: int) -> list:
                     s.bind(("127.0.0.1", port))
         except OSError:
             continue
-        return ["mlx.launch", "-n", str(n), "--starting-port", str(base),
+        return [*RANK_PRIORITY, "mlx.launch", "-n", str(n), "--starting-port", str(base),
                 "--python", sys.executable, "--"]
     raise RuntimeError(f"no {n} free consecutive ports for mlx.launch")
 

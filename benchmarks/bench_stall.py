@@ -12,7 +12,9 @@ is the time between two of its tokens (each step emits one token per decoding re
 p99 over all replies, before and while the long prompt is read. The short request's time to
 first token counts the steps (and seconds) from its insert to its first token, its prefill
 included. The long prompt's prefill time is its insert to its first token; "prompt seconds"
-is the part of it the generator spent reading prompts. --idle also times a batch-1
+is the part of it the generator spent reading prompts. Then the long and short prompts are
+dropped and the replies decode --after steps alone again: the decode step (p50 and its own p99)
+at the contexts the replies have reached by then. --idle also times a batch-1
 `Model.prefill` of the long prompt with nothing decoding. "Cores busy" is the process's CPU
 seconds per wall second, decoding alone and while the long prompt is read (and in the idle
 prefill): what the work asks of the machine. The schedules' tokens must be identical (both are
@@ -55,6 +57,8 @@ class Result:
     gaps_before: list = field(default_factory=list)  # s between a reply's tokens
     gaps_during: list = field(default_factory=list)
     step_before: float = 0.0  # median step time with only decoding
+    step_after: float = 0.0  # the same after the long prompt, at the contexts reached then
+    step_after_p99: float = 0.0
     cores_before: float = 0.0  # the process's CPU seconds per wall second, only decoding
     cores_during: float = 0.0  # the same while the long prompt is read
     short_steps: int = 0
@@ -137,6 +141,17 @@ def run(model, name: str, budget, args, thread: bool = False) -> Result:
     result.cores_during = (time.process_time() - cpu) / (time.perf_counter() - inserted)
     result.prompt_seconds = generator.counters.prompt_time - prompt_time
     result.gaps_during = gaps(times, uids, inserted, times[long_uid][0])
+    # The replies alone again (the long and short prompts dropped), at the contexts they have
+    # reached: the decode step alone after, its median and its own p99.
+    generator.remove([long_uid, short_uid])
+    for _ in range(2):
+        step()
+    after = []
+    for _ in range(args.after):
+        tic = time.perf_counter()
+        step()
+        after.append(time.perf_counter() - tic)
+    result.step_after, result.step_after_p99 = percentile(after, 50), percentile(after, 99)
     generator.remove([s.uid for s in generator.sequences])
     generator.close()
     return result
@@ -190,6 +205,12 @@ def report(results: list, idle) -> None:
               f"{percentile(r.prompt_during, 50) * 1e3:.0f} / "
               f"{percentile(r.prompt_during, 99) * 1e3:.0f}; gap p99 "
               f"{percentile(r.gaps_during, 99) / percentile(r.decode_during, 50):.1f}x")
+    print("\nthe replies decoding alone again after the long prompt (--after steps, the contexts "
+          "they reached): decode step p50 / p99; the gap p99 while the long prompt was read "
+          "over that p50")
+    for r in results:
+        print(f"  {r.name}: {r.step_after * 1e3:.0f} / {r.step_after_p99 * 1e3:.0f} ms; gap p99 "
+              f"{percentile(r.gaps_during, 99) / r.step_after:.1f}x")
     for new in results[1:]:
         short = f"{new.short_seconds / old.short_seconds:.3f}x" if old.short_seconds else \
             "- (it came after the long prompt's first token)"
@@ -223,6 +244,8 @@ def main() -> None:
                         help="steps after the long prompt's arrival the short one arrives")
     parser.add_argument("--decoders", type=int, default=8)
     parser.add_argument("--before", type=int, default=16, help="decode steps before")
+    parser.add_argument("--after", type=int, default=100,
+                        help="decode steps alone after the long prompt's first token")
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--budget", default="auto",
                         help="the paced schedule's decode_prefill_budget: auto or tokens")

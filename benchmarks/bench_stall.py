@@ -107,12 +107,17 @@ def run(model, name: str, budget, args, thread: bool = False) -> Result:
         step()
     for _ in range(2):  # warm-up at this batch shape
         step()
-    start, step_times, cpu = time.perf_counter(), [], time.process_time()
-    for _ in range(args.before):
-        tic = time.perf_counter()
-        step()
-        step_times.append(time.perf_counter() - tic)
-    result.step_before = float(np.median(step_times))
+    def timed(n: int) -> list:
+        """Each of `n` steps' seconds."""
+        out = []
+        for _ in range(n):
+            tic = time.perf_counter()
+            step()
+            out.append(time.perf_counter() - tic)
+        return out
+
+    start, cpu = time.perf_counter(), time.process_time()
+    result.step_before = percentile(timed(args.before), 50)
     result.cores_before = (time.process_time() - cpu) / (time.perf_counter() - start)
     result.gaps_before = gaps(times, uids, start, time.perf_counter())
     prompt_time = generator.counters.prompt_time
@@ -146,11 +151,7 @@ def run(model, name: str, budget, args, thread: bool = False) -> Result:
     generator.remove([long_uid, short_uid])
     for _ in range(2):
         step()
-    after = []
-    for _ in range(args.after):
-        tic = time.perf_counter()
-        step()
-        after.append(time.perf_counter() - tic)
+    after = timed(args.after)
     result.step_after, result.step_after_p99 = percentile(after, 50), percentile(after, 99)
     generator.remove([s.uid for s in generator.sequences])
     generator.close()

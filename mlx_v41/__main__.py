@@ -1,5 +1,5 @@
 """`python -m mlx_v41 <command> ...`: generate, chat, inspect, convert, demo, server,
-perplexity, compare."""
+perplexity, compare, launch."""
 
 import importlib
 import sys
@@ -13,6 +13,7 @@ COMMANDS = {
     "server": "mlx_v41.cli.server",
     "perplexity": "mlx_v41.cli.perplexity",
     "compare": "mlx_v41.cli.compare",
+    "launch": "mlx_v41.cli.launch",
 }
 USAGE = f"usage: python -m mlx_v41 {{{','.join(COMMANDS)}}} [options]  (options: <command> --help)"
 

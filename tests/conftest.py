@@ -54,12 +54,14 @@ def slow(*values):
 # that took the cores from the suite's other worker (a test beside them ran twice as long).
 # Lowered, the polling gets only what the other worker leaves.
 RANK_PRIORITY = ["nice", "-n", "10"]
+# Groups are started with `mlx_v41.launch` (mlx.launch whose loops wait; mlx.launch's own keep
+# 1.4 cores busy for as long as its ranks run: docs/distributed.md). tests/test_launch.py
+# compares the two.
+LAUNCHER = [sys.executable, "-m", "mlx_v41.launch"]
 
 
-def mlx_launch(n: int) -> list:
-    """`mlx.launch -n N` on a free run of N ports (the ring listens on starting-port + rank), so
-    two test runs on one machine never join each other's rings (the default port is fixed), at
-    `RANK_PRIORITY`."""
+def free_port_run(n: int) -> int:
+    """The first of n free consecutive ports."""
     for _ in range(200):
         base = random.randint(20000, 60000 - n)
         try:
@@ -68,9 +70,16 @@ def mlx_launch(n: int) -> list:
                     s.bind(("127.0.0.1", port))
         except OSError:
             continue
-        return [*RANK_PRIORITY, "mlx.launch", "-n", str(n), "--starting-port", str(base),
-                "--python", sys.executable, "--"]
-    raise RuntimeError(f"no {n} free consecutive ports for mlx.launch")
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports for a launcher")
+
+
+def mlx_launch(n: int, launcher=LAUNCHER) -> list:
+    """`launcher -n N` (mlx.launch's arguments) on a free run of N ports (the ring listens on
+    starting-port + rank), so two test runs on one machine never join each other's rings (the
+    default port is fixed), at `RANK_PRIORITY`."""
+    return [*RANK_PRIORITY, *launcher, "-n", str(n), "--starting-port", str(free_port_run(n)),
+            "--python", sys.executable, "--"]
 
 
 @pytest.fixture

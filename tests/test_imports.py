@@ -19,7 +19,8 @@ CONVERTER = ROOT.parent / "convert"  # the package mlx_v41.convert, by pyproject
 STACK = ("errors", "sizes", "numerics", "kernels", "cache", "model", "generation", "chat",
          "checkpoint", "convert", "distributed", "server", "cli")
 ENTRY_POINTS = {"mlx_v41.__main__", *(f"mlx_v41.{command}" for command in
-                                      ("generate", "perplexity", "compare", "inspect", "demo"))}
+                                      ("generate", "perplexity", "compare", "inspect", "demo",
+                                       "launch"))}
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,104 @@
+"""`mlx_v41.launch`: MLX's launcher, whose loops wait instead of polling. Two ranks on this
+machine (ring backend over localhost), started the way the docs start them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import mlx_launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.usefixtures("cpu")
+
+SLEEP = 3.0  # seconds the ranks sleep
+# CPU seconds the launcher (its ranks included) may spend over SLEEP: 0.51-0.54 s measured;
+# with mlx.launch's own loops 4.6-4.8 s, and 3.7 s with only its main loop spinning.
+CPU_LIMIT = 1.5
+
+RANK = """
+import os, sys, time
+rank = int(os.environ["MLX_RANK"])
+if sys.argv[1] == "sleep":
+    time.sleep(float(sys.argv[2]))
+    print("rank", rank, "slept", flush=True)
+else:
+    for line in sys.stdin:
+        print("rank", rank, "read", line.strip(), time.time(), flush=True)
+        if line.strip() == "bye":
+            break
+    sys.exit(3 if rank == 1 else 0)
+"""
+
+
+@pytest.fixture
+def rank_script(tmp_path):
+    path = tmp_path / "rank.py"
+    path.write_text(RANK)
+    return path
+
+
+@pytest.mark.parametrize("stdin", ["open pipe", "at its end"])
+def test_the_launcher_waits_while_its_ranks_sleep(rank_script, stdin):
+    """CPU of the launcher and its ranks (wait4 counts the waited-for ranks too) while the
+    ranks sleep: with the launcher's stdin a pipe kept open (a terminal, a test) and at its
+    end (a service). Fails with mlx.launch's own loops (rank threads that never wait; a main
+    loop that reads an ended stdin again and again)."""
+    proc = subprocess.Popen(
+        [*mlx_launch(2), str(rank_script), "sleep", str(SLEEP)], cwd=ROOT,
+        stdin=subprocess.PIPE if stdin == "open pipe" else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tic = time.monotonic()
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.monotonic() - tic
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    cpu = usage.ru_utime + usage.ru_stime
+    assert proc.returncode == 0, proc.stderr.read()
+    assert sorted(out.decode().splitlines()) == ["rank 0 slept", "rank 1 slept"]
+    assert seconds >= SLEEP
+    assert cpu < CPU_LIMIT, f"{cpu:.2f} CPU seconds in {seconds:.1f} s"
+
+
+def test_input_output_and_exits_are_mlx_launchs(rank_script):
+    """Lines typed to the launcher reach both ranks within 0.5 s (the thread waits 20 ms for
+    output before it writes), their output comes back as from `mlx.launch`, and a rank's
+    failure is reported and exits as under `mlx.launch`."""
+    runs = {}
+    for name, command in (("ours", mlx_launch(2)),
+                          ("mlx.launch", mlx_launch(2, launcher=["mlx.launch"]))):
+        proc = subprocess.Popen([*command, str(rank_script), "read"], cwd=ROOT,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        time.sleep(1.0)  # both ranks up and reading
+        sent = time.time()
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        first = proc.stdout.readline().decode()
+        proc.stdin.write(b"bye\n")
+        proc.stdin.close()
+        out, err = proc.stdout.read(), proc.stderr.read()  # the buffered reader's, read on
+        proc.wait(timeout=60)
+        lines = sorted([first, *out.decode().splitlines()])
+        read = [line.split() for line in lines if line.split()[3] == "hello"]
+        assert len(read) == 2, lines
+        assert all(float(words[4]) - sent < 0.5 for words in read), (name, read, sent)
+        # (whether rank 0 ends by itself or is ended by the launcher once rank 1 has failed is
+        # a race in either launcher, so its line is not compared)
+        assert "rank 1 exited with code 3" in err.decode(), (name, err)
+        runs[name] = [words[:4] for words in (line.split() for line in lines)], proc.returncode
+    assert runs["ours"] == runs["mlx.launch"]
+    assert runs["ours"][0] == [["rank", "0", "read", "bye"], ["rank", "0", "read", "hello"],
+                               ["rank", "1", "read", "bye"], ["rank", "1", "read", "hello"]]
+
+
+def test_python_m_mlx_v41_launch_is_the_same_command():
+    out = subprocess.run([sys.executable, "-m", "mlx_v41", "launch", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--hostfile" in out.stdout and "mlx_v41.launch" in out.stdout

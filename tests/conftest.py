@@ -61,9 +61,15 @@ LAUNCHER = [sys.executable, "-m", "mlx_v41.launch"]
 
 
 def free_port_run(n: int) -> int:
-    """The first of n free consecutive ports."""
+    """The first of n free consecutive ports, below the system's ephemeral range: a port that
+    is free when checked can still be taken before the rank binds it, and outgoing connections
+    (the other worker's HTTP clients, hundreds a second) take ephemeral ones."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 49152  # IANA's dynamic range, macOS's default
     for _ in range(200):
-        base = random.randint(20000, 60000 - n)
+        base = random.randint(20000, max(low, 20000 + 1000) - n)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:

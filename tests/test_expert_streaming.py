@@ -412,6 +412,7 @@ def test_ranks_stream_their_experts(split, capsys):
             "0.8", "--seed", "3"]
     result = launch(2, "-m", "mlx_v41.generate", *args, *split, "--expert-memory",
                     str(2 * EXPERT_BYTES))
+    assert "=" * 10 in result.stdout, (result.stdout, result.stderr)
     assert generate_main(args + ["--expert-memory", "resident"]) == 0
     one = capsys.readouterr().out.split("=" * 10)[1]
     assert result.stdout.split("=" * 10)[1] == one, result.stderr

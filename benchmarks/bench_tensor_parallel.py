@@ -8,9 +8,12 @@
 * the same bytes measured on the tiny golden checkpoint (`Link.reduced` / `Link.sent`, by
   tests/distributed_worker.py under mlx.launch);
 * tokens/s of `mlx_v41.generate` in one process, 2 tensor-parallel ranks and a 2-rank pipeline
-  on the tiny checkpoint (same seed; the texts must agree).
+  on the tiny checkpoint (same seed; the texts must agree), the ranks started by each
+  --launchers (`mlx.launch`, whose launcher polls its ranks, and `mlx_v41.launch`, whose
+  launcher waits; on a machine with few cores the polling takes them from the ranks).
 
-    python -m benchmarks.bench_tensor_parallel [--tokens 12 --repeats 2]
+    python -m benchmarks.bench_tensor_parallel [--tokens 12 --repeats 2
+        --launchers mlx.launch mlx_v41.launch]
 """
 
 from __future__ import annotations
@@ -109,10 +112,16 @@ def generate(prefix: list, extra: list, tokens: int):
     return out.split("=" * 10)[1], float(stats[1]), float(stats[2])
 
 
-def speed(tokens: int, repeats: int) -> None:
-    launch = ["mlx.launch", "-n", "2", "--python", sys.executable, "--"]
-    runs = {"1 process": ([sys.executable], []), "2 ranks tensor": (launch, ["--tensor-parallel"]),
-            "2 ranks pipeline": (launch, ["--pipeline"])}
+LAUNCHERS = {"mlx.launch": ["mlx.launch"],
+             "mlx_v41.launch": [sys.executable, "-m", "mlx_v41.launch"]}
+
+
+def speed(tokens: int, repeats: int, launchers: list) -> None:
+    runs = {"1 process": ([sys.executable], [])}
+    for name in launchers:
+        launch = [*LAUNCHERS[name], "-n", "2", "--python", sys.executable, "--"]
+        runs[f"2 ranks tensor, {name}"] = (launch, ["--tensor-parallel"])
+        runs[f"2 ranks pipeline, {name}"] = (launch, ["--pipeline"])
     results = {name: [] for name in runs}
     for _ in range(repeats):  # the ways take turns: other load on the machine falls on all
         for name, (prefix, extra) in runs.items():
@@ -130,12 +139,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--launchers", nargs="+", choices=list(LAUNCHERS),
+                        default=list(LAUNCHERS))
     args = parser.parse_args()
     official_memory()
     real_width_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         measured_bytes(Path(tmp))
-    speed(args.tokens, args.repeats)
+    speed(args.tokens, args.repeats, args.launchers)
     return 0
 
 

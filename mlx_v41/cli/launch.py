@@ -8,8 +8,9 @@ waits for its ranks instead of polling them.
 `select` whether the rank's stdout or stderr has output *or its stdin can take more*. A pipe
 can nearly always take more, so the call returns at once and the thread turns again without
 waiting; with the launcher's own stdin at its end (a service, `nohup`, `< /dev/null`) its main
-loop does the same. Measured on Linux: a launcher of two ranks that only sleep keeps 1.4 cores
-busy (7.2 CPU seconds in 5.3 s) for as long as they run: a whole day for a server left running.
+loop does the same. Measured on Linux: a launcher of two ranks that only sleep keeps 1.3-1.4
+cores busy for as long as they run (benchmarks/bench_launch.py), a whole day for a server left
+running, and on a machine with few cores it takes them from the ranks.
 
 This command runs MLX's own launcher with one change, the `select` its loops call (its module's
 name only; nothing else in the process is touched):

@@ -55,7 +55,7 @@ def slow(*values):
 # Lowered, the polling gets only what the other worker leaves.
 RANK_PRIORITY = ["nice", "-n", "10"]
 # Groups are started with `mlx_v41.launch` (mlx.launch whose loops wait; mlx.launch's own keep
-# 1.4 cores busy for as long as its ranks run: docs/distributed.md). tests/test_launch.py
+# 1.3-1.4 cores busy for as long as its ranks run: docs/distributed.md). tests/test_launch.py
 # compares the two.
 LAUNCHER = [sys.executable, "-m", "mlx_v41.launch"]
 

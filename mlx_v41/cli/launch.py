@@ -77,7 +77,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from mlx._distributed_utils import launch
     except ImportError:  # another MLX: its launcher as it is
-        os.execvp("mlx.launch", ["mlx.launch", *argv])
+        try:
+            os.execvp("mlx.launch", ["mlx.launch", *argv])
+        except OSError as e:
+            print(f"mlx_v41.launch: error: cannot run mlx.launch ({e})", file=sys.stderr)
+            return 2
     if getattr(launch, "select", None) is _select:
         launch.select = waiting_select
     sys.argv = ["mlx_v41.launch", *argv]

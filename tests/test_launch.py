@@ -14,7 +14,7 @@ from conftest import mlx_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.usefixtures("cpu")
+pytestmark = [pytest.mark.usefixtures("cpu"), pytest.mark.slow]  # it starts ranks
 
 SLEEP = 3.0  # seconds the ranks sleep
 # CPU seconds the launcher (its ranks included) may spend over SLEEP: 0.51-0.54 s measured;

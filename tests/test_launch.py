@@ -4,8 +4,10 @@ machine (ring backend over localhost), started the way the docs start them."""
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +22,7 @@ SLEEP = 3.0  # seconds the ranks sleep
 # CPU seconds the launcher (its ranks included) may spend over SLEEP: 0.51-0.54 s measured;
 # with mlx.launch's own loops 4.6-4.8 s, and 3.7 s with only its main loop spinning.
 CPU_LIMIT = 1.5
+TIMEOUT = 120  # seconds any one wait on a launcher may take
 
 RANK = """
 import os, sys, time
@@ -28,6 +31,7 @@ if sys.argv[1] == "sleep":
     time.sleep(float(sys.argv[2]))
     print("rank", rank, "slept", flush=True)
 else:
+    print("rank", rank, "ready", "-", time.time(), flush=True)
     for line in sys.stdin:
         print("rank", rank, "read", line.strip(), time.time(), flush=True)
         if line.strip() == "bye":
@@ -54,8 +58,13 @@ def test_the_launcher_waits_while_its_ranks_sleep(rank_script, stdin):
         stdin=subprocess.PIPE if stdin == "open pipe" else subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     tic = time.monotonic()
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    guard = threading.Timer(TIMEOUT, proc.kill)  # a launcher that hangs fails, not the run
+    guard.start()
+    try:
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        guard.cancel()
     seconds = time.monotonic() - tic
     proc.returncode = os.waitstatus_to_exitcode(status)
     cpu = usage.ru_utime + usage.ru_stime
@@ -65,36 +74,62 @@ def test_the_launcher_waits_while_its_ranks_sleep(rank_script, stdin):
     assert cpu < CPU_LIMIT, f"{cpu:.2f} CPU seconds in {seconds:.1f} s"
 
 
+class Lines:
+    """A process's stdout read line by line from its fd, each wait bounded by TIMEOUT."""
+
+    def __init__(self, proc):
+        self.fd, self.rest, self.lines = proc.stdout.fileno(), b"", []
+
+    def until(self, count: int) -> list:
+        """At least `count` lines (or all there are, at the end of the output)."""
+        deadline = time.monotonic() + TIMEOUT
+        while len(self.lines) < count:
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out after {self.lines}"
+            if not select.select([self.fd], [], [], left)[0]:
+                continue
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                break
+            *done, self.rest = (self.rest + chunk).split(b"\n")
+            self.lines += [line.decode() for line in done]
+        return self.lines
+
+
 def test_input_output_and_exits_are_mlx_launchs(rank_script):
-    """Lines typed to the launcher reach both ranks within 0.5 s (the thread waits 20 ms for
-    output before it writes), their output comes back as from `mlx.launch`, and a rank's
-    failure is reported and exits as under `mlx.launch`."""
+    """Once both ranks are reading, a line typed to the launcher reaches both within 0.5 s
+    (the thread waits 20 ms for output before it writes); their output comes back as from
+    `mlx.launch`, and a rank's failure is reported and exits as under `mlx.launch`."""
     runs = {}
     for name, command in (("ours", mlx_launch(2)),
                           ("mlx.launch", mlx_launch(2, launcher=["mlx.launch"]))):
         proc = subprocess.Popen([*command, str(rank_script), "read"], cwd=ROOT,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
-        time.sleep(1.0)  # both ranks up and reading
-        sent = time.time()
-        proc.stdin.write(b"hello\n")
-        proc.stdin.flush()
-        first = proc.stdout.readline().decode()
-        proc.stdin.write(b"bye\n")
-        proc.stdin.close()
-        out, err = proc.stdout.read(), proc.stderr.read()  # the buffered reader's, read on
-        proc.wait(timeout=60)
-        lines = sorted([first, *out.decode().splitlines()])
-        read = [line.split() for line in lines if line.split()[3] == "hello"]
+        try:
+            out = Lines(proc)
+            out.until(2)  # both ranks ready
+            sent = time.time()
+            proc.stdin.write(b"hello\n")
+            proc.stdin.flush()
+            read = [line.split() for line in out.until(4) if " hello " in line]
+            proc.stdin.write(b"bye\n")
+            proc.stdin.close()
+            lines = out.until(10 ** 6)  # to the end of the output
+            proc.wait(timeout=TIMEOUT)
+            err = proc.stderr.read().decode()
+        finally:
+            proc.kill()
         assert len(read) == 2, lines
         assert all(float(words[4]) - sent < 0.5 for words in read), (name, read, sent)
         # (whether rank 0 ends by itself or is ended by the launcher once rank 1 has failed is
         # a race in either launcher, so its line is not compared)
-        assert "rank 1 exited with code 3" in err.decode(), (name, err)
-        runs[name] = [words[:4] for words in (line.split() for line in lines)], proc.returncode
+        assert "rank 1 exited with code 3" in err, (name, err)
+        runs[name] = sorted(line.split()[:4] for line in lines), proc.returncode
     assert runs["ours"] == runs["mlx.launch"]
     assert runs["ours"][0] == [["rank", "0", "read", "bye"], ["rank", "0", "read", "hello"],
-                               ["rank", "1", "read", "bye"], ["rank", "1", "read", "hello"]]
+                               ["rank", "0", "ready", "-"], ["rank", "1", "read", "bye"],
+                               ["rank", "1", "read", "hello"], ["rank", "1", "ready", "-"]]
 
 
 def test_python_m_mlx_v41_launch_is_the_same_command():

@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT)]
 
 from mlx.utils import tree_flatten  # noqa: E402
 
+from benchmarks.bench_launch import LAUNCHERS  # noqa: E402
 from mlx_v41.model.config import ModelArgs, official_config_path  # noqa: E402
 from mlx_v41.model.model import Model  # noqa: E402
 from mlx_v41.distributed.tensor import TensorParallelModel  # noqa: E402
@@ -110,10 +111,6 @@ def generate(prefix: list, extra: list, tokens: int):
     if stats is None:
         raise SystemExit(f"{' '.join(cmd)}: no statistics in {out!r}")
     return out.split("=" * 10)[1], float(stats[1]), float(stats[2])
-
-
-LAUNCHERS = {"mlx.launch": ["mlx.launch"],
-             "mlx_v41.launch": [sys.executable, "-m", "mlx_v41.launch"]}
 
 
 def speed(tokens: int, repeats: int, launchers: list) -> None:

@@ -23,7 +23,8 @@ from mlx_v41.checkpoint.loader import data_start
 from mlx_v41.checkpoint.safetensors_io import SafetensorsFile
 from mlx_v41.cli.generate import main as generate_main
 
-from conftest import RANK_PRIORITY, golden_checkpoint, mlx_launch, writable_copy
+from conftest import (RANK_PRIORITY, free_port_run, golden_checkpoint, mlx_launch,
+                      writable_copy)
 from distributed_worker import scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +211,8 @@ def by_hand(tmp_path, *command) -> list:
     """Two ranks started without a launcher (nothing else to clean up or to end them), at
     `RANK_PRIORITY`."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    base = free_port_run(2)  # the ring's ports, as mlx_launch picks them
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in (base, base + 1)]))
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),

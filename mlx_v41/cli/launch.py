@@ -17,7 +17,8 @@ name only; nothing else in the process is touched):
 
 * asked for writable fds as well (a rank's thread), it first waits up to `WAIT` seconds for
   output, which it hands on as soon as it comes, then reports the writable fds that are ready:
-  a line typed to the launcher reaches the ranks at most `WAIT` later;
+  a line typed to the launcher reaches the ranks at most 2 x `WAIT` later (the thread takes
+  it from its queue after one wait and writes it after the next);
 * asked about the launcher's own stdin when that is at its end (readable only because a read
   returns nothing), it waits out the loop's timeout and reports nothing, which is what the
   loop would have done with the empty read.

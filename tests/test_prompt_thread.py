@@ -6,6 +6,7 @@ alone, and the server serves with it and ends it."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from conftest import packed_state
 from mlx_v41.generation.batch import BatchGenerator
 from mlx_v41.generation.prompt_thread import THREAD_NAME, PromptThread, check_prefill_thread
 from mlx_v41.generation.sequence import BatchSequence
+from mlx_v41.model.engram import Engram
 from mlx_v41.model.prefill import Pieces
 from mlx_v41.numerics.rope import shared_rope
 import test_batch_schedule as schedule
@@ -214,6 +216,70 @@ def test_the_thread_reads_a_prompt_in_short_evaluations(loaded, monkeypatch, len
     assert mx.array_equal(on_thread[0], main[0])
     for x, y in zip(on_thread[1], main[1], strict=True):
         assert mx.array_equal(x, y)
+
+
+# Primitives that dispatch no work of their own on the CPU (views and shape changes).
+VIEWS = {"Reshape", "Slice", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "AsStrided",
+         "Depends", "StopGradient", "Split"}
+IN_FLIGHT_OPS = 100  # MLX's limit on tasks in flight: 10 tasks of 10 CPU dispatches
+
+
+def compute_ops(arrays, path) -> int:
+    """How many operations evaluating `arrays` runs, views left out (MLX's graph of what is
+    not yet computed, as `mx.export_to_dot` writes it)."""
+    flat = []
+
+    def walk(x):
+        if isinstance(x, mx.array):
+            flat.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+
+    walk(arrays)
+    mx.export_to_dot(str(path), *flat)
+    names = re.findall(r'label ="([^"]*)", shape=rectangle', path.read_text())
+    return sum(name not in VIEWS for name in names)
+
+
+def test_no_evaluation_on_the_thread_fills_the_limit(loaded, monkeypatch, tmp_path):
+    """On the prompt thread no evaluation runs more operations than MLX lets be in flight
+    (beyond it, each dispatch of the decode step waits for a task of the piece's to end): a
+    piece's cache is evaluated a layer at a time at its end (one evaluation of 169 before), an
+    index selection's queries and key blocks before each block's scores (111), and an Engram
+    layer's rows and projection each on their own, so the projection (a piece's longest
+    operation) is not queued among the gate's and the attention input's."""
+    model, _ = loaded
+    ids, = prompts([150], seed=5)
+    sizes, in_engram, evaluate = [], [], mx.eval
+    engram_call = Engram.__call__
+
+    def counting(*args):
+        if threading.current_thread().name == THREAD:
+            sizes.append(compute_ops(args, tmp_path / "graph.dot"))
+        return evaluate(*args)
+
+    def engram(self, *args, **kwargs):
+        before = len(sizes)
+        try:
+            return engram_call(self, *args, **kwargs)
+        finally:
+            in_engram.append(len(sizes) - before)
+
+    def read():
+        cache = model.make_cache()
+        logits = model.prefill(mx.array([ids]), cache, step_size=128)
+        evaluate(logits, packed_state(cache))
+
+    monkeypatch.setattr(mx, "eval", counting)
+    monkeypatch.setattr(Engram, "__call__", engram)
+    thread = PromptThread(model.kernels)
+    thread.submit(read)
+    thread.collect(wait=True)
+    thread.close()
+    assert len(sizes) > 5 * model.cfg.num_hidden_layers
+    assert max(sizes) <= IN_FLIGHT_OPS, sorted(sizes)[-5:]
+    assert in_engram and min(in_engram) >= 2, in_engram
 
 
 def test_rotation_tables_are_kept_per_thread():

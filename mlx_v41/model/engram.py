@@ -18,6 +18,7 @@ from ..cache.stacked import share, stacked_right
 from .layers import QuantLinear
 from ..numerics.quant import e4m3_to_float, e8m0_to_float
 from ..errors import CheckpointError
+from ..kernels.context import settle
 
 GATE_FLOOR = 1e-6  # clamp on |dot| before the signed square root
 ROW_GROUP = 32  # values per E8M0 scale within a row
@@ -136,7 +137,11 @@ class Engram(nn.Module):
         where `image_mask` [B, S] is True (image-span positions)."""
         batch, length, n, dim = streams.shape
         memory = self.embed(row_ids).reshape(batch, length, -1)
+        # where evaluations are kept short, the projection (a prompt piece's longest operation)
+        # in an evaluation of its own, not queued among the gate's operations
+        settle(memory)
         kv = self.kv_proj(memory).astype(mx.float32)
+        settle(kv)
         key = kv[..., :n * dim].reshape(batch, length, n, dim)
         value = kv[..., n * dim:]
         weight = self.q_weight.astype(mx.float32) * self.k_weight.astype(mx.float32)

@@ -80,6 +80,7 @@ class Block(nn.Module):
         if self.role.engram_index is not None:
             streams = self.engram(streams, state.engram_rows[:, -n_in:, self.role.engram_index],
                                   state.image_positions(n_in))
+            settle(streams)
             state.record(f"layers.{self.role.layer}.engram_out", streams)
         # attention side: collapse -> norm -> attention -> expand (with the FFN side's mixes)
         u, u_fp8 = self.attention_input(streams, pre, with_fp8=True)

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional
 import mlx.core as mx
 
 from ..cache.layer import commit, transaction
-from ..kernels.context import using
+from ..kernels.context import settle, using
 from .engram import engram_rows
 from .schedule import FULL, ced_halo
 from .shared import ForwardState, Probe, Taps, shared_state
@@ -39,6 +39,9 @@ class Progress:
 
     def __call__(self, value, rows: int):
         if self.is_chunked or self.callback is not None:
+            if self.is_chunked:  # a layer at a time where evaluations are kept short
+                for c in self.cache:
+                    settle(c.state)
             mx.eval(value, [c.state for c in self.cache] if self.is_chunked else [])
         if self.callback is not None and rows:
             self.done += rows

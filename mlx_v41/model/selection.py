@@ -66,6 +66,7 @@ def select_rows(indexer, rope, x, qr, packed_keys, first: int, ratio: int, topk:
     for start in range(0, total, key_block):
         packed = packed_keys[:, start:start + key_block]
         keys = unpack_fp4_e8m0(mx.depends(packed, barrier) if barrier else packed)
+        settle(keys)  # each step apart where evaluations are kept short
         for block in blocks:
             block.score(indexer, keys, start, ratio, topk, pool, keep_scores)
             settle(block.state())  # a block at a time where evaluations are kept short
@@ -78,6 +79,7 @@ class _QueryBlock:
 
     def __init__(self, indexer, rope, x, qr, first: int, pool_rows, qr_fp8=None):
         self.q, self.weights = indexer.queries(x, qr, first, rope, qr_fp8)
+        settle(self.q, self.weights)
         self.pool_rows = pool_rows  # Reindex layer: the pool of these rows [B, s, blocks]
         self.positions = mx.arange(first, first + x.shape[1])
         self.best = None         # running top-k sort keys [B, s, <= k]

@@ -160,6 +160,50 @@ def test_removing_a_prompt_while_its_piece_runs(loaded, spans, monkeypatch):
     assert [r.token for r in out[reply_uid]] == alone(model, tokenizer, reply, 10)
 
 
+def test_removing_another_sequence_does_not_wait_for_the_piece(loaded, monkeypatch):
+    """While the thread reads a long prompt, `remove` of a decoding reply (a stop string
+    matched, a client gone) and of a request still waiting returns at once, not after the
+    piece in flight (held here for 3 s); the other reply and the long prompt keep their
+    batch-1 tokens and the removed ones emit nothing more."""
+    model, tokenizer = loaded
+    replies, (long_,), (queued,) = prompts([6, 9]), prompts([150], 3), prompts([7], 4)
+    release, run = threading.Event(), Pieces.run
+
+    def held(self, allowance):
+        if threading.current_thread().name == THREAD:
+            release.wait(timeout=30)
+        return run(self, allowance)
+
+    generator = BatchGenerator(model, stop_tokens=(), max_tokens=10, prefill_step_size=STEP,
+                               decode_prefill_budget=16, min_prefill_chunk=4,
+                               prefill_thread=True, completion_batch_size=3)
+    out, timer = {}, threading.Timer(3.0, release.set)
+    try:
+        kept, dropped = generator.insert(replies)
+        run_all(generator, out, until=lambda: len(generator.decoding) == 2)
+        monkeypatch.setattr(Pieces, "run", held)
+        long_uid = generator.insert([long_])[0]
+        run_all(generator, out, until=lambda: generator.prompt_thread.busy)
+        waiting_uid = generator.insert([queued])[0]  # no room: it waits
+        for r in generator.next():
+            out.setdefault(r.uid, []).append(r)
+        assert [s.uid for s in generator.waiting] == [waiting_uid]
+        emitted = len(out[dropped])
+        timer.start()
+        tic = time.perf_counter()
+        generator.remove([dropped, waiting_uid])
+        seconds = time.perf_counter() - tic
+        assert not release.is_set() and seconds < 1.0, seconds
+        run_all(generator, out)
+    finally:
+        release.set()
+        timer.cancel()
+        generator.close()
+    assert len(out[dropped]) == emitted and waiting_uid not in out
+    assert [r.token for r in out[kept]] == alone(model, tokenizer, replies[0], 10)
+    assert [r.token for r in out[long_uid]] == alone(model, tokenizer, long_, 10)
+
+
 def test_a_prompt_that_fails_on_the_thread_fails_alone(loaded):
     """A prompt the model refuses (a token id past the vocabulary) fails with an "error"
     response naming it; the reply decoding beside it is untouched."""

@@ -227,9 +227,12 @@ class BatchGenerator(PromptSchedule):
 
     def remove(self, uids, return_prompt_caches: bool = False) -> dict:
         """Drop sequences wherever they are (a prompt being prefilled is abandoned and its
-        cache left as it was before); {uid: cache} with `return_prompt_caches`."""
+        cache left as it was before); {uid: cache} with `return_prompt_caches`. Only a prompt
+        the prompt thread reads waits for its piece in flight: the thread touches no other
+        sequence, so dropping a reply or a request still waiting never pauses the batch."""
         uids, out = set(uids), {}
-        self._wait_for_prompts()  # no piece of a prompt being dropped is running
+        if any(s.uid in uids and not s.on_main for s in self.prefilling):
+            self._wait_for_prompts()  # no piece of a prompt being dropped is running
         for seq in [*self.waiting, *self.prefilling]:  # forks not branched yet
             seq.forks = [f for f in seq.forks if f.uid not in uids]
         for group in (self.waiting, self.prefilling, self.decoding):

@@ -290,7 +290,7 @@ def test_no_evaluation_on_the_thread_fills_the_limit(loaded, monkeypatch, tmp_pa
     """On the prompt thread no evaluation runs more operations than MLX lets be in flight
     (beyond it, each dispatch of the decode step waits for a task of the piece's to end): a
     piece's cache is evaluated a layer at a time at its end (one evaluation of 169 before), an
-    index selection's queries and key blocks before each block's scores (111), and an Engram
+    index selection's queries before its blocks' scores (111), and an Engram
     layer's rows and projection each on their own, so the projection (a piece's longest
     operation) is not queued among the gate's and the attention input's."""
     model, _ = loaded

@@ -66,7 +66,6 @@ def select_rows(indexer, rope, x, qr, packed_keys, first: int, ratio: int, topk:
     for start in range(0, total, key_block):
         packed = packed_keys[:, start:start + key_block]
         keys = unpack_fp4_e8m0(mx.depends(packed, barrier) if barrier else packed)
-        settle(keys)  # each step apart where evaluations are kept short
         for block in blocks:
             block.score(indexer, keys, start, ratio, topk, pool, keep_scores)
             settle(block.state())  # a block at a time where evaluations are kept short

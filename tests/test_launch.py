@@ -4,7 +4,6 @@ machine (ring backend over localhost), started the way the docs start them."""
 from __future__ import annotations
 
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from conftest import mlx_launch
+from mlx_v41.cli.chat_input import LineReader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,26 +74,15 @@ def test_the_launcher_waits_while_its_ranks_sleep(rank_script, stdin):
     assert cpu < CPU_LIMIT, f"{cpu:.2f} CPU seconds in {seconds:.1f} s"
 
 
-class Lines:
-    """A process's stdout read line by line from its fd, each wait bounded by TIMEOUT."""
-
-    def __init__(self, proc):
-        self.fd, self.rest, self.lines = proc.stdout.fileno(), b"", []
-
-    def until(self, count: int) -> list:
-        """At least `count` lines (or all there are, at the end of the output)."""
-        deadline = time.monotonic() + TIMEOUT
-        while len(self.lines) < count:
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out after {self.lines}"
-            if not select.select([self.fd], [], [], left)[0]:
-                continue
-            chunk = os.read(self.fd, 65536)
-            if not chunk:
-                break
-            *done, self.rest = (self.rest + chunk).split(b"\n")
-            self.lines += [line.decode() for line in done]
-        return self.lines
+def read_lines(reader: LineReader, lines: list, count: int) -> list:
+    """`lines` with the launcher's next lines added until there are `count` (or its output
+    ends), each wait bounded by TIMEOUT (`LineReader` raises TimeoutError)."""
+    while len(lines) < count:
+        line = reader.readline(timeout=TIMEOUT)
+        if line is None:
+            break
+        lines.append(line)
+    return lines
 
 
 def test_input_output_and_exits_are_mlx_launchs(rank_script):
@@ -108,15 +97,15 @@ def test_input_output_and_exits_are_mlx_launchs(rank_script):
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         try:
-            out = Lines(proc)
-            out.until(2)  # both ranks ready
+            out, lines = LineReader(proc.stdout.fileno()), []
+            read_lines(out, lines, 2)  # both ranks ready
             sent = time.time()
             proc.stdin.write(b"hello\n")
             proc.stdin.flush()
-            read = [line.split() for line in out.until(4) if " hello " in line]
+            read = [line.split() for line in read_lines(out, lines, 4) if " hello " in line]
             proc.stdin.write(b"bye\n")
             proc.stdin.close()
-            lines = out.until(10 ** 6)  # to the end of the output
+            read_lines(out, lines, 10 ** 6)  # to the end of the output
             proc.wait(timeout=TIMEOUT)
             err = proc.stderr.read().decode()
         finally:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 import mlx_v41.generation.batch as batch_module
 import mlx_v41.generation.prompt_schedule as prompt_schedule
@@ -271,17 +272,7 @@ IN_FLIGHT_OPS = 100  # MLX's limit on tasks in flight: 10 tasks of 10 CPU dispat
 def compute_ops(arrays, path) -> int:
     """How many operations evaluating `arrays` runs, views left out (MLX's graph of what is
     not yet computed, as `mx.export_to_dot` writes it)."""
-    flat = []
-
-    def walk(x):
-        if isinstance(x, mx.array):
-            flat.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-
-    walk(arrays)
-    mx.export_to_dot(str(path), *flat)
+    mx.export_to_dot(str(path), *[a for _, a in tree_flatten(list(arrays))])
     names = re.findall(r'label ="([^"]*)", shape=rectangle', path.read_text())
     return sum(name not in VIEWS for name in names)
 
